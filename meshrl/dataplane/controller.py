@@ -1,0 +1,551 @@
+"""The controller: one process holding the data plane's metadata, serving every client.
+
+A single event loop on a ROUTER socket makes every request atomic without locks. A claim that cannot be
+served yet is parked and answered the moment rows become ready (or at its timeout); a put into a full
+partition is parked until rows are deleted. Clients never poll. Leases that expire return their rows.
+
+Malformed or hostile frames are answered with an `Error` (or dropped when they cannot even be routed)
+and logged; nothing a peer sends can stop the loop.
+
+Run standalone with `meshrl queue serve`, or in-process with `start_controller` (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from meshrl.dataplane import protocol as P
+from meshrl.dataplane import snapshot as snap
+from meshrl.dataplane.rpc import Connection, RpcServer
+from meshrl.dataplane.shm import DEFAULT_SHM_DIR
+from meshrl.dataplane.table import Consumer, Partition, SegmentInfo, TableError
+from meshrl.dataplane.wire import connect_client, host_id
+
+log = logging.getLogger("meshrl.controller")
+
+MAX_RELEASED_PER_CLIENT = 64
+STORAGE_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ClientInfo:
+    host: str
+    pid: int
+    released: list[str] = field(default_factory=list)
+    alive: bool = True
+
+
+@dataclass
+class Parked:
+    conn: Connection
+    rid: bytes
+    msg: Any
+    deadline: float
+    done: bool = False
+
+
+class Controller:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        secret: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        restore: str | Path | None = None,
+        run: str | None = None,
+    ) -> None:
+        self.ctx = zmq.Context()  # only for talking to storage servers
+        self.server = RpcServer(endpoint, secret, self._dispatch)
+        self.endpoint = self.server.endpoint
+        self.secret = secret
+        self.shm_dir = shm_dir
+        self.host = host_id()
+        self.run = run or secrets.token_hex(4)
+        self.partitions: dict[str, Partition] = {}
+        self.segments: dict[int, SegmentInfo] = {}
+        self.seg_by_name: dict[str, int] = {}
+        self.clients: dict[str, ClientInfo] = {}
+        self.storages: dict[str, str] = {}
+        self._storage_socks: dict[str, zmq.Socket] = {}
+        self.parked_claims: dict[str, deque[Parked]] = {}
+        self.parked_puts: dict[str, deque[Parked]] = {}
+        # deadlines of leases and parked requests: (when, sequence, what); stale entries are skipped
+        self.timers: list[tuple[float, int, Any]] = []
+        self._seq = 0
+        self.next_id = 0
+        self.next_seg = 0
+        self.next_claim = 1
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._waiting_hosts: set[str] = set()
+        self._deferred: list[tuple[Connection, bytes, bytes]] = []
+        if restore is not None:
+            self._waiting_hosts = snap.load_controller(self, Path(restore))
+            log.info("restored from %s; waiting for storage on %s", restore, sorted(self._waiting_hosts))
+
+    # ---------------------------------------------------------------------------------------------------
+    # loop
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.server.poll(self._next_timeout())
+                self._timers()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        for s in self._storage_socks.values():
+            s.close(0)
+        self.server.shutdown()
+        self.ctx.term()
+
+    def _next_timeout(self) -> float:
+        deadline = time.monotonic() + 0.1
+        if self.timers:
+            deadline = min(deadline, self.timers[0][0])
+        return max(0.0, deadline - time.monotonic()) + 0.0005
+
+    def _at(self, when: float, what: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (when, self._seq, what))
+
+    def _park(self, queue: deque[Parked], conn: Connection, rid: bytes, msg: Any, timeout: float) -> None:
+        p = Parked(conn, rid, msg, time.monotonic() + min(max(timeout, 0.0), 86400.0))
+        queue.append(p)
+        self._at(p.deadline, p)
+
+    def _dispatch(self, conn: Connection, rid: bytes, body: bytes) -> None:
+        if self._waiting_hosts:
+            try:
+                msg = P.decode_request(body)
+            except Exception:
+                msg = None
+            if not (isinstance(msg, P.Hello) and msg.role == "storage"):
+                self._deferred.append((conn, rid, body))
+                return
+        self._handle(conn, rid, body)
+        if not self._waiting_hosts and self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for d in deferred:
+                self._handle(*d)
+
+    def _handle(self, conn: Connection, rid: bytes, body: bytes) -> None:
+        try:
+            msg = P.decode_request(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("undecodable request from %s: %s", conn.peer, e)
+            self._reply(conn, rid, P.Error("bad_request", f"undecodable request: {e}"))
+            return
+        try:
+            reply = self._apply(conn, rid, msg)
+        except TableError as e:
+            reply = P.Error(e.code, str(e))
+        except (P.ProtocolError, ValueError, OverflowError) as e:
+            reply = P.Error("bad_request", str(e))
+        except Exception as e:  # a bug must not take the controller down
+            log.exception("internal error on %s", type(msg).__name__)
+            reply = P.Error("internal", f"{type(e).__name__}: {e}")
+        if reply is not None:
+            self._reply(conn, rid, reply)
+
+    def _reply(self, conn: Connection, rid: bytes, reply: msgspec.Struct) -> None:
+        self.server.send(conn, rid, P.encode(reply))
+
+    # ---------------------------------------------------------------------------------------------------
+    # requests
+
+    def _apply(self, conn: Connection, rid: bytes, msg: Any) -> msgspec.Struct | None:
+        if isinstance(msg, P.Put):
+            return self._put(conn, rid, msg)
+        if isinstance(msg, P.Claim):
+            return self._claim(conn, rid, msg)
+        if isinstance(msg, P.Ack):
+            part = self._partition(msg.partition)
+            c = self._consumer_of(part, msg.consumer)
+            n, due = part.ack(c, msg.claim)
+            if len(due):
+                self._delete(part, due)
+            return P.Ok(n) if msg.reply else None
+        if isinstance(msg, P.Release):
+            part = self._partition(msg.partition)
+            c = self._consumer_of(part, msg.consumer)
+            if msg.claim not in c.leases:
+                raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
+            back = part.expire(c, msg.claim)
+            self._serve_claims(part)
+            return P.Ok(back)
+        if isinstance(msg, P.Renew):
+            part = self._partition(msg.partition)
+            c = self._consumer_of(part, msg.consumer)
+            lease = c.leases.get(msg.claim)
+            if lease is None:
+                raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
+            lease.deadline = time.monotonic() + _positive(msg.lease, "lease")
+            self._at(lease.deadline, (part.name, c.name, msg.claim))
+            return P.Ok(lease.n)
+        if isinstance(msg, P.Delete):
+            part = self._partition(msg.partition)
+            ids = P.int64s(msg.ids, "ids")
+            slots = part.slots_of(ids, strict=False)
+            return P.Ok(self._delete(part, np.unique(slots[slots >= 0])))
+        if isinstance(msg, P.CreatePartition):
+            return self._create(msg)
+        if isinstance(msg, P.Status):
+            return self.status()
+        if isinstance(msg, P.Hello):
+            return self._hello(msg)
+        if isinstance(msg, P.Bye):
+            info = self.clients.get(msg.client)
+            if info is not None:
+                info.alive = False
+                self._unlink(info.host, info.released)
+                info.released = []
+            return P.Ok()
+        if isinstance(msg, P.Snapshot):
+            snap.save(self, Path(msg.path))
+            return P.Ok()
+        raise P.ProtocolError(f"{type(msg).__name__} is not a controller request")
+
+    def _hello(self, msg: P.Hello) -> P.HelloReply:
+        P.check_name(msg.client, "client")
+        if msg.role == "storage":
+            self.storages[msg.host] = msg.endpoint
+            old = self._storage_socks.pop(msg.host, None)
+            if old is not None:
+                old.close(0)
+            self._waiting_hosts.discard(msg.host)
+        else:
+            self.clients[msg.client] = ClientInfo(msg.host, msg.pid)
+        return P.HelloReply(run=self.run, shm_dir=self.shm_dir, storages=dict(self.storages))
+
+    def _create(self, msg: P.CreatePartition) -> P.Ok:
+        P.check_name(msg.partition, "partition")
+        for name in msg.delete_when_acked_by:
+            P.check_name(name, "consumer")
+        part = self.partitions.get(msg.partition)
+        if part is not None:
+            if part.capacity != msg.capacity or part.delete_when_acked_by != list(msg.delete_when_acked_by):
+                raise TableError(
+                    "conflict",
+                    f"partition {msg.partition!r} exists with capacity {part.capacity} and "
+                    f"delete_when_acked_by {part.delete_when_acked_by}",
+                )
+            return P.Ok()
+        self.partitions[msg.partition] = Partition(
+            msg.partition, msg.capacity, list(msg.delete_when_acked_by)
+        )
+        self.parked_claims[msg.partition] = deque()
+        self.parked_puts[msg.partition] = deque()
+        return P.Ok()
+
+    def _partition(self, name: str) -> Partition:
+        part = self.partitions.get(name)
+        if part is None:
+            raise TableError("unknown_partition", f"no partition {name!r} (known: {sorted(self.partitions)})")
+        return part
+
+    def _consumer_of(self, part: Partition, name: str) -> Consumer:
+        c = part.consumers.get(name)
+        if c is None:
+            raise TableError("bad_request", f"partition {part.name!r} has no consumer {name!r}")
+        return c
+
+    def _put(self, conn: Connection, rid: bytes, msg: P.Put) -> msgspec.Struct | None:
+        part = self._partition(msg.partition)
+        if not P.check_segment_name(msg.segment.name).startswith(f"meshrl-{self.run}-"):
+            raise P.ProtocolError(f"segment {msg.segment.name!r} does not belong to run {self.run}")
+        if msg.segment.size < 0:
+            raise P.ProtocolError("negative segment size")
+        if msg.ids is None and not part.can_put(msg.n):
+            if msg.n > part.capacity:
+                raise TableError(
+                    "full", f"put of {msg.n} rows can never fit partition {part.name!r} of {part.capacity}"
+                )
+            if msg.timeout > 0:
+                self._park(self.parked_puts[part.name], conn, rid, msg, msg.timeout)
+                return None
+            raise TableError("full", _full_message(part, msg.timeout))
+        if self.parked_puts[part.name] and msg.ids is None:  # keep FIFO order behind parked producers
+            self._park(self.parked_puts[part.name], conn, rid, msg, msg.timeout)
+            return None
+        return self._do_put(part, msg)
+
+    def _do_put(self, part: Partition, msg: P.Put) -> P.PutReply:
+        index = self.seg_by_name.get(msg.segment.name)
+        if index is None:
+            index = self.next_seg
+            info = SegmentInfo(msg.segment, msg.client)
+        else:
+            info = self.segments[index]
+            if info.refs or info.owner != msg.client or info.ref != msg.segment:
+                raise TableError("conflict", f"segment {msg.segment.name} is in use by live rows")
+        ids, refs = part.put(index, msg.segment, msg.n, msg.columns, msg.ids, msg.meta, self.next_id)
+        if index == self.next_seg:
+            self.next_seg += 1
+            self.segments[index] = info
+            self.seg_by_name[msg.segment.name] = index
+        if msg.ids is None:
+            self.next_id += msg.n
+        info.refs += refs
+        client = self.clients.get(msg.client)
+        released: list[str] = []
+        if client is not None:
+            released, client.released = client.released, []
+        self._serve_claims(part)
+        return P.PutReply(ids=ids.astype("<i8").tobytes(), released=released)
+
+    def _claim(self, conn: Connection, rid: bytes, msg: P.Claim) -> msgspec.Struct | None:
+        part = self._partition(msg.partition)
+        P.check_name(msg.consumer, "consumer")
+        if msg.n < 1 or not 1 <= msg.min_n <= msg.n:
+            raise P.ProtocolError(
+                f"claim needs n >= 1 and 1 <= min_n <= n (got n={msg.n}, min_n={msg.min_n})"
+            )
+        if msg.group_size is not None and msg.group_size > msg.n:
+            raise P.ProtocolError(f"claim of n={msg.n} rows can never hold a group of {msg.group_size}")
+        _positive(msg.lease, "lease")
+        c = part.consumer(msg.consumer, msg.columns, msg.group_size)
+        reply = self._try_claim(part, c, msg)
+        if reply is not None:
+            return reply
+        if msg.timeout > 0:
+            self._park(self.parked_claims[part.name], conn, rid, msg, msg.timeout)
+            return None
+        return _empty_claim()
+
+    def _try_claim(self, part: Partition, c: Consumer, msg: P.Claim) -> P.ClaimReply | None:
+        need = msg.min_n
+        if c.group_size is not None:
+            need = -(-need // c.group_size) * c.group_size
+        if c.nready < need:
+            return None
+        claim_id = self.next_claim
+        chunk = part.claim(c, msg.n, msg.lease, claim_id)
+        if chunk is None:
+            return None
+        self.next_claim += 1
+        self._at(c.leases[claim_id].deadline, (part.name, c.name, claim_id))
+        return self._claim_reply(part, c, claim_id, chunk.ids, chunk.slots)
+
+    def _claim_reply(
+        self, part: Partition, c: Consumer, claim_id: int, ids: np.ndarray, slots: np.ndarray
+    ) -> P.ClaimReply:
+        seg_list: list[P.SegmentRef] = []
+        seg_pos: dict[int, int] = {}
+        columns = []
+        for name in c.columns:
+            col = part.columns[name]
+            assert col.dtype is not None
+            segs = col.seg[slots]
+            first = int(segs[0])
+            if (segs == first).all():  # the usual case: rows of one write
+                uniq, inverse = [first], np.zeros(len(segs), dtype=np.int64)
+            else:
+                u, inverse = np.unique(segs, return_inverse=True)
+                uniq = u.tolist()
+            pos = np.empty(len(uniq), dtype=np.int32)
+            for k, s in enumerate(uniq):
+                if s not in seg_pos:
+                    seg_pos[s] = len(seg_list)
+                    seg_list.append(self.segments[s].ref)
+                pos[k] = seg_pos[s]
+            columns.append(
+                P.ColumnRead(
+                    name=name,
+                    dtype=col.dtype,
+                    shape=col.shape,
+                    ragged=col.ragged,
+                    segment=pos[inverse].astype("<i4").tobytes(),
+                    offset=col.off[slots].astype("<i8").tobytes(),
+                    length=col.length[slots].astype("<i8").tobytes(),
+                )
+            )
+        return P.ClaimReply(
+            claim=claim_id,
+            ids=ids.astype("<i8").tobytes(),
+            segments=seg_list,
+            columns=columns,
+            meta=[part.meta[s] for s in slots.tolist()] if part.meta_rows else None,
+        )
+
+    def _delete(self, part: Partition, slots: np.ndarray) -> int:
+        n, dropped = part.delete_slots(slots)
+        for index, k in dropped.items():
+            info = self.segments[index]
+            info.refs -= k
+            if info.refs == 0:
+                self._release(index, info)
+        if n:
+            self._serve_puts(part)
+        return n
+
+    def _release(self, index: int, info: SegmentInfo) -> None:
+        client = self.clients.get(info.owner)
+        if client is not None and client.alive and len(client.released) < MAX_RELEASED_PER_CLIENT:
+            client.released.append(info.ref.name)  # the producer recycles it
+            return
+        del self.segments[index]
+        del self.seg_by_name[info.ref.name]
+        self._unlink(info.ref.host, [info.ref.name])
+
+    def _unlink(self, host: str, names: list[str]) -> None:
+        if not names:
+            return
+        for name in names:
+            index = self.seg_by_name.pop(name, None)
+            if index is not None:
+                self.segments.pop(index, None)
+        sock = self._storage(host)
+        if sock is not None:
+            sock.send_multipart([b"\0" * 8, P.encode(P.Unlink(names))], zmq.NOBLOCK)
+        elif host == self.host:  # no storage server here (embedded use): the files are ours to remove
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.shm_dir, P.check_segment_name(name)))
+        else:
+            log.warning("no storage server on %s to free %d segments", host, len(names))
+
+    def _storage(self, host: str) -> zmq.Socket | None:
+        sock = self._storage_socks.get(host)
+        if sock is None and host in self.storages:
+            sock = connect_client(self.ctx, self.storages[host], self.secret)
+            self._storage_socks[host] = sock
+        return sock
+
+    def storage_call(self, host: str, msg: msgspec.Struct) -> Any:
+        """A blocking request to a storage server (snapshots only)."""
+        sock = self._storage(host)
+        if sock is None:
+            raise TableError("internal", f"no storage server registered for host {host}")
+        rid = os.urandom(8)
+        sock.send_multipart([rid, P.encode(msg)])
+        deadline = time.monotonic() + STORAGE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(1000):
+                frames = sock.recv_multipart()
+                if frames[0] == rid:
+                    return P.decode_reply(frames[1])
+        raise TableError("internal", f"storage server on {host} did not answer {type(msg).__name__}")
+
+    # ---------------------------------------------------------------------------------------------------
+    # parked requests and leases
+
+    def _serve_claims(self, part: Partition) -> None:
+        queue = self.parked_claims[part.name]
+        if not queue:
+            return
+        keep: deque[Parked] = deque()
+        while queue:
+            p = queue.popleft()
+            if p.conn.closed:  # the waiter went away: leave the rows for others
+                p.done = True
+                continue
+            c = part.consumers[p.msg.consumer]
+            reply = self._try_claim(part, c, p.msg)
+            if reply is None:
+                keep.append(p)
+            else:
+                p.done = True
+                self._reply(p.conn, p.rid, reply)
+        self.parked_claims[part.name] = keep
+
+    def _serve_puts(self, part: Partition) -> None:
+        queue = self.parked_puts[part.name]
+        while queue and part.can_put(queue[0].msg.n):
+            p = queue.popleft()
+            p.done = True
+            if p.conn.closed:
+                continue
+            try:
+                reply: msgspec.Struct = self._do_put(part, p.msg)
+            except TableError as e:
+                reply = P.Error(e.code, str(e))
+            except (P.ProtocolError, ValueError) as e:
+                reply = P.Error("bad_request", str(e))
+            self._reply(p.conn, p.rid, reply)
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            _, _, what = heapq.heappop(self.timers)
+            if isinstance(what, Parked):
+                if what.done:
+                    continue
+                what.done = True
+                pname = what.msg.partition
+                if isinstance(what.msg, P.Claim):
+                    self.parked_claims[pname].remove(what)
+                    self._reply(what.conn, what.rid, _empty_claim())
+                else:
+                    self.parked_puts[pname].remove(what)
+                    part = self.partitions[pname]
+                    self._reply(what.conn, what.rid, P.Error("full", _full_message(part, what.msg.timeout)))
+                continue
+            pname, cname, claim_id = what
+            owner = self.partitions.get(pname)
+            c = owner.consumers.get(cname) if owner else None
+            lease = c.leases.get(claim_id) if c else None
+            if owner is None or c is None or lease is None or lease.deadline > now:
+                continue  # acked, or renewed (a newer entry exists)
+            back = owner.expire(c, claim_id)
+            log.info(
+                "lease of claim %d (%s/%s) expired; %d rows back in the pool", claim_id, pname, cname, back
+            )
+            self._serve_claims(owner)
+
+    def status(self) -> P.StatusReply:
+        return P.StatusReply(
+            partitions=[
+                part.status(len(self.parked_puts[name]), len(self.parked_claims[name]))
+                for name, part in self.partitions.items()
+            ],
+            segments=len(self.segments),
+            clients=sum(1 for c in self.clients.values() if c.alive),
+            uptime_s=time.monotonic() - self.started,
+        )
+
+
+def _positive(x: float, what: str) -> float:
+    if not x > 0 or x > 86400 * 365:
+        raise P.ProtocolError(f"{what} must be a positive number of seconds, got {x}")
+    return x
+
+
+def _empty_claim() -> P.ClaimReply:
+    return P.ClaimReply(claim=0, ids=b"", segments=[], columns=[])
+
+
+def _full_message(part: Partition, timeout: float) -> str:
+    return (
+        f"partition {part.name!r} is full ({part.rows}/{part.capacity} rows) and stayed full for "
+        f"{timeout:.1f}s; a consumer must ack/delete rows (is the terminal consumer running?) or the "
+        "partition needs a larger capacity"
+    )
+
+
+def start_controller(
+    endpoint: str = "tcp://127.0.0.1:0", **kwargs: Any
+) -> tuple[Controller, threading.Thread]:
+    """Run a controller in a daemon thread of this process (tests, notebooks)."""
+    ctl = Controller(endpoint, **kwargs)
+    thread = threading.Thread(target=ctl.serve_forever, name="meshrl-controller", daemon=True)
+    thread.start()
+    return ctl, thread

@@ -1,0 +1,81 @@
+"""`meshrl queue serve`: run the data plane's controller and/or this host's storage server as a process.
+
+    meshrl queue serve --controller tcp://127.0.0.1:5555                # controller + local storage
+    meshrl queue serve --storage-only --controller tcp://HOST0:5555 --storage tcp://0.0.0.0:5556
+
+Off-loopback endpoints need the run's secret in MESHRL_SECRET. `--ready-file` receives a JSON line with
+the bound endpoints once both servers serve (port 0 picks a free port). SIGTERM/SIGINT stop cleanly, and
+the storage server removes this run's segments from shared memory on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from meshrl.dataplane.controller import Controller
+from meshrl.dataplane.shm import DEFAULT_SHM_DIR
+from meshrl.dataplane.storage import Storage
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="meshrl queue serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--controller", default="tcp://127.0.0.1:0", help="controller endpoint (bind, or connect)"
+    )
+    ap.add_argument("--storage", default="tcp://127.0.0.1:0", help="storage endpoint to bind")
+    ap.add_argument("--advertise", default=None, help="storage endpoint other hosts connect to")
+    ap.add_argument("--storage-only", action="store_true", help="run only this host's storage server")
+    ap.add_argument("--no-storage", action="store_true", help="run only the controller")
+    ap.add_argument("--shm-dir", default=DEFAULT_SHM_DIR)
+    ap.add_argument("--restore", default=None, help="snapshot directory to restore from")
+    ap.add_argument("--ready-file", default=None)
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    secret = os.environ.get("MESHRL_SECRET") or None
+
+    servers: list[Controller | Storage] = []
+    ready: dict[str, str] = {}
+    if not args.storage_only:
+        ctl = Controller(args.controller, secret=secret, shm_dir=args.shm_dir, restore=args.restore)
+        servers.append(ctl)
+        ready["controller"] = ctl.endpoint
+        threading.Thread(target=ctl.serve_forever, name="controller", daemon=True).start()
+    if not args.no_storage:
+        controller = ready.get("controller", args.controller)
+        st = Storage(
+            args.storage,
+            controller,
+            secret=secret,
+            shm_dir=args.shm_dir,
+            restore=args.restore,
+            advertise=args.advertise,
+        )
+        servers.append(st)
+        ready["storage"] = st.endpoint
+        threading.Thread(target=st.serve_forever, name="storage", daemon=True).start()
+
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    if args.ready_file:
+        tmp = Path(args.ready_file + ".tmp")
+        tmp.write_text(json.dumps(ready) + "\n")
+        tmp.replace(args.ready_file)
+    logging.getLogger("meshrl.queue").info("serving %s", ready)
+    done.wait()
+    for s in reversed(servers):  # storage first: it unlinks segments while the controller still answers
+        s.stop()
+    for t in threading.enumerate():
+        if t.name in ("controller", "storage"):
+            t.join(timeout=5)
+
+
+if __name__ == "__main__":
+    main()

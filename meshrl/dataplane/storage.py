@@ -1,0 +1,167 @@
+"""The storage server of one host: serves this host's segments to readers on other hosts.
+
+Producers write their column buffers into shared-memory segments on their own host; same-host readers
+map them directly. A reader on another host asks this server, which answers with one raw ZMQ frame per
+requested byte range, sent straight from the mapping (zero-copy). The server also frees segments the
+controller reports dead, copies live segments into a snapshot, restores them, and on exit removes every
+segment of the run that is still on this host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from meshrl.dataplane import protocol as P
+from meshrl.dataplane.rpc import RpcClient
+from meshrl.dataplane.shm import DEFAULT_SHM_DIR, MapCache
+from meshrl.dataplane.wire import bind_server, host_id
+
+log = logging.getLogger("meshrl.storage")
+
+
+class Storage:
+    def __init__(
+        self,
+        endpoint: str,
+        controller: str,
+        *,
+        secret: str | None = None,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        restore: str | Path | None = None,
+        advertise: str | None = None,
+    ) -> None:
+        self.ctx = zmq.Context()
+        self.sock, self._auth = bind_server(self.ctx, endpoint, secret)
+        self.endpoint = advertise or self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+        self.shm_dir = shm_dir
+        self.host = host_id()
+        self.maps = MapCache(shm_dir, max_bytes=8 << 30)
+        self._stop = threading.Event()
+        if restore is not None:
+            self._restore(Path(restore) / "segments" / self.host)
+        self.run = self._register(controller, secret)
+
+    def _restore(self, src: Path) -> None:
+        if not src.is_dir():
+            return
+        for f in sorted(src.iterdir()):
+            dst = Path(self.shm_dir) / P.check_segment_name(f.name)
+            shutil.copyfile(f, dst)
+            os.chmod(dst, 0o600)
+        log.info("restored segments from %s", src)
+
+    def _register(self, controller: str, secret: str | None) -> str:
+        rpc = RpcClient(controller, secret, timeout=30.0)
+        try:
+            hello = P.Hello(
+                client=f"storage-{self.host}",
+                host=self.host,
+                pid=os.getpid(),
+                role="storage",
+                endpoint=self.endpoint,
+            )
+            reply = P.decode_reply(rpc.call(P.encode(hello), 30.0))
+            if isinstance(reply, P.Error):
+                raise ConnectionError(f"controller refused storage registration: {reply.message}")
+            return str(reply.run)
+        finally:
+            rpc.close()
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.sock.poll(100):
+                    for _ in range(64):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._dispatch(frames)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        prefix = f"meshrl-{self.run}-"
+        for f in Path(self.shm_dir).glob(prefix + "*"):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+        self.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()  # type: ignore[attr-defined]
+        self.ctx.term()
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) > 16:
+            log.warning("dropped a frame set of %d parts", len(frames))
+            return
+        ident, rid, body = frames
+        try:
+            msg = P.decode_request(body)
+            reply, payload = self._apply(msg)
+        except (msgspec.DecodeError, msgspec.ValidationError, P.ProtocolError, ValueError, OSError) as e:
+            log.warning("bad request: %s", e)
+            reply, payload = P.Error("bad_request", str(e)), []
+        except Exception as e:
+            log.exception("internal error")
+            reply, payload = P.Error("internal", f"{type(e).__name__}: {e}"), []
+        if reply is None:
+            return
+        try:
+            self.sock.send_multipart([ident, rid, P.encode(reply), *payload], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:
+            log.debug("reply dropped: %s", e)
+
+    def _ours(self, name: str) -> str:
+        """Only this run's segments may be read, freed or saved through this server."""
+        if not P.check_segment_name(name).startswith(f"meshrl-{self.run}-"):
+            raise P.ProtocolError(f"segment {name!r} does not belong to run {self.run}")
+        return name
+
+    def _apply(self, msg: Any) -> tuple[msgspec.Struct | None, list[Any]]:
+        if isinstance(msg, P.Read):
+            views = []
+            for name, offset, nbytes in msg.ranges:
+                seg = self.maps.get(self._ours(name), 0)
+                if offset < 0 or nbytes < 0 or offset + nbytes > seg.size:
+                    raise P.ProtocolError(f"range {offset}+{nbytes} outside segment {name} of {seg.size}")
+                views.append(memoryview(seg.mm)[offset : offset + nbytes])
+            return P.ReadReply([len(v) for v in views]), views
+        if isinstance(msg, P.Unlink):
+            names = [self._ours(n) for n in msg.names]
+            self.maps.forget(names)
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.shm_dir, name))
+            return None, []
+        if isinstance(msg, P.Save):
+            dst = Path(msg.path)
+            dst.mkdir(parents=True, exist_ok=True)
+            for name in msg.names:
+                src = Path(self.shm_dir) / self._ours(name)
+                tmp = dst / (name + ".tmp")
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, dst / name)
+            return P.Ok(len(msg.names)), []
+        raise P.ProtocolError(f"{type(msg).__name__} is not a storage request")
+
+
+def start_storage(
+    controller: str, endpoint: str = "tcp://127.0.0.1:0", **kwargs: Any
+) -> tuple[Storage, threading.Thread]:
+    """Run a storage server in a daemon thread of this process (tests, notebooks)."""
+    st = Storage(endpoint, controller, **kwargs)
+    thread = threading.Thread(target=st.serve_forever, name="meshrl-storage", daemon=True)
+    thread.start()
+    return st, thread
