@@ -1,7 +1,4 @@
-"""The `meshrl` command. Each subcommand imports what it needs only once it is chosen.
-
-    meshrl queue serve [...]     run the data plane's controller / storage server
-"""
+"""The `meshrl` command. Each subcommand imports what it needs only once it is chosen."""
 
 from __future__ import annotations
 
@@ -10,19 +7,30 @@ import sys
 USAGE = """usage: meshrl COMMAND [ARGS]
 
 commands:
-  queue serve   run the data plane's controller and/or this host's storage server
+  run RECIPE [--devices N] [key=value ...]   run a recipe on this host (wraps torchrun)
+  status [RUN_DIR]                           services, queue and weight version of a run
+  queue serve [...]                          run the data plane's controller / storage server
 """
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if args[:2] == ["queue", "serve"]:
+    cmd, rest = (args[0], args[1:]) if args else ("", [])
+    if cmd == "run":
+        from meshrl.run import main as run
+
+        raise SystemExit(run(rest))
+    if cmd == "status":
+        from meshrl.status import main as status
+
+        raise SystemExit(status(rest))
+    if cmd == "queue" and rest[:1] == ["serve"]:
         from meshrl.dataplane.serve import main as serve
 
-        serve(args[2:])
+        serve(rest[1:])
         return
     print(USAGE, file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(2 if cmd not in ("-h", "--help", "help") else 0)
 
 
 if __name__ == "__main__":

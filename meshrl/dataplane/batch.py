@@ -126,6 +126,20 @@ class Batch:
     def __contains__(self, name: str) -> bool:
         return name in self.columns
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """A dense column as one tensor [n, ...]."""
+        value = self.columns[name]
+        if isinstance(value, Ragged):
+            raise TypeError(f"column {name!r} is ragged; use batch.ragged({name!r})")
+        return value
+
+    def ragged(self, name: str) -> Ragged:
+        """A ragged column (per-row lengths differ)."""
+        value = self.columns[name]
+        if not isinstance(value, Ragged):
+            raise TypeError(f"column {name!r} is dense; use batch.tensor({name!r})")
+        return value
+
     def meta_of(self, key: str, default: Any = None) -> list[Any]:
         if self.meta is None:
             return [default] * len(self)

@@ -330,7 +330,7 @@ class AsyncRpcClient:
 
     @classmethod
     async def connect(cls, endpoint: str, secret: str | None, timeout: float) -> AsyncRpcClient:
-        family, addr = _address(endpoint)
+        _, addr = _address(endpoint)
         try:
             if isinstance(addr, str):
                 opening = asyncio.open_unix_connection(addr)

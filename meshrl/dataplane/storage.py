@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,15 @@ class Storage:
         log.info("restored segments from %s", src)
 
     def _register(self, controller: str, secret: str | None) -> str:
-        rpc = RpcClient(controller, secret, timeout=30.0)
+        deadline = time.monotonic() + 60.0
+        while True:  # the controller may still be starting
+            try:
+                rpc = RpcClient(controller, secret, timeout=30.0)
+                break
+            except ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         try:
             hello = P.Hello(
                 client=f"storage-{self.host}",

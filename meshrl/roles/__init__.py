@@ -1,0 +1,1 @@
+"""The services of a run, one module (or package) per role."""

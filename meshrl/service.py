@@ -1,0 +1,155 @@
+"""What every service is: set-up, a run loop over the data plane, a health report.
+
+A service process is started by its launcher as `python -m meshrl.worker`, which rebuilds the plan,
+builds the service from its config and drives `setup()`, `run()`, `close()`. Services never call each
+other: they read and write partitions of the data plane. The run ends when a service (normally the
+trainer) writes a `finished` row into the `control` partition; every service watches for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshrl.dataplane import Client
+from meshrl.recipe import Recipe, ServiceConfig
+from meshrl.topology import HEALTH, Process, Replica, Topology
+
+CONTROL = "control"
+FINISHED = 1  # control event: training is over, every service exits
+FAILED = 2  # control event: a service gave up; the others exit with an error
+
+
+@dataclass
+class ServiceContext:
+    recipe: Recipe
+    topology: Topology
+    replica: Replica
+    process: Process
+    run_dir: Path
+    controller: str
+    secret: str | None
+    health: Health
+
+    @property
+    def config(self) -> ServiceConfig:
+        return self.recipe.group(self.replica.group).config
+
+    @property
+    def name(self) -> str:
+        return self.process.name
+
+    @property
+    def device(self) -> torch.device:
+        if self.process.uses_device and torch.cuda.is_available():
+            return torch.device("cuda", self.process.local_rank)
+        return torch.device("cpu")
+
+    def client(self, name: str | None = None) -> Client:
+        return Client(self.controller, secret=self.secret, name=name or self.name)
+
+
+@dataclass
+class Health:
+    """What a service reports on its loopback health endpoint (and `meshrl status` shows)."""
+
+    service: str
+    state: str = "starting"
+    started: float = field(default_factory=time.time)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "service": self.service,
+            "state": self.state,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+            **self.info,
+        }
+
+    def serve(self, port: int) -> ThreadingHTTPServer:
+        health = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps(health.snapshot()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        try:
+            server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        except OSError as e:
+            raise OSError(f"{self.service}: cannot bind its health endpoint 127.0.0.1:{port}: {e}") from e
+        threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+        return server
+
+
+class Service:
+    """Base class. Subclasses implement `run()` (and usually `setup()`)."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.log = logging.getLogger(f"meshrl.{ctx.replica.group}")
+        self._control: Client | None = None
+        self._checked = 0.0
+        self._finished = False
+
+    def setup(self) -> None:
+        """Load models, connect, declare what this service consumes. Runs before the service is ready."""
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
+
+    # ---------------------------------------------------------------------------------------------------
+    # run state
+
+    def control(self) -> Client:
+        if self._control is None:
+            self._control = self.ctx.client(f"{self.ctx.name}-control")
+        return self._control
+
+    def finished(self, every: float = 0.5) -> bool:
+        """True once some service announced the end of the run (checked at most every `every` seconds)."""
+        if self._finished:
+            return True
+        now = time.monotonic()
+        if now - self._checked < every:
+            return False
+        self._checked = now
+        batch = self.control().claim(CONTROL, self.ctx.name, ["event"], 16)
+        if batch:
+            events: list[int] = batch.tensor("event").tolist()
+            self.control().ack(batch)
+            if FAILED in events:
+                by = batch.meta_of("by")
+                raise RuntimeError(f"the run was stopped by a failure in {by[events.index(FAILED)]}")
+            self._finished = FINISHED in events
+        return self._finished
+
+    def finish_run(self) -> None:
+        """Announce that training is over: every service of the run exits."""
+        self.control().put(CONTROL, {"event": torch.tensor([FINISHED])}, meta=[{"by": self.ctx.name}])
+        self._finished = True
+
+
+def health_port(process: Process) -> int:
+    return process.ports[HEALTH]

@@ -1,0 +1,17 @@
+"""Smallest run: a producer and a consumer of integers, one device slot each.
+
+meshrl run recipes/counter.py
+"""
+
+from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.roles.counter import CounterConsumerConfig, CounterProducerConfig
+
+
+def recipe() -> Recipe:
+    return Recipe(
+        name="counter",
+        groups=(
+            ServiceGroup(id="producer", config=CounterProducerConfig(count=200), devices_per_replica=1),
+            ServiceGroup(id="consumer", config=CounterConsumerConfig(expect=200), devices_per_replica=1),
+        ),
+    )

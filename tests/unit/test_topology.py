@@ -1,0 +1,217 @@
+"""plan(recipe, devices): determinism, validation messages, port uniqueness, shipped recipes."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from meshrl.recipe import (
+    ColocationRing,
+    Columns,
+    Recipe,
+    RecipeError,
+    RingMember,
+    Scheduling,
+    ServiceConfig,
+    ServiceGroup,
+    load_recipe,
+)
+from meshrl.topology import Device, devices_needed, plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Writer(ServiceConfig):
+    service = "x:Writer"
+    columns: tuple[str, ...] = ("tokens",)
+
+    def writes(self) -> Columns:
+        return {"samples": self.columns}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reader(ServiceConfig):
+    service = "x:Reader"
+    columns: tuple[str, ...] = ("tokens",)
+
+    def reads(self) -> Columns:
+        return {"samples": self.columns}
+
+
+def cluster(hosts: int, per_host: int) -> list[Device]:
+    return [Device(h * per_host + i, f"node{h:03d}", i) for h in range(hosts) for i in range(per_host)]
+
+
+def recipe(**kw) -> Recipe:
+    base = {
+        "name": "t",
+        "groups": (
+            ServiceGroup(id="rollout", config=Writer(), replicas=3),
+            ServiceGroup(
+                id="inference", config=Writer(columns=("response",)), replicas=2, devices_per_replica=2
+            ),
+            ServiceGroup(id="trainer", config=Reader(columns=("tokens", "response")), devices_per_replica=4),
+        ),
+    }
+    return Recipe(**{**base, **kw})
+
+
+def test_same_plan_whatever_the_gathering_order():
+    devs = cluster(2, 4)
+    first = plan(recipe(), devs)
+    for seed in range(5):
+        shuffled = devs[:]
+        random.Random(seed).shuffle(shuffled)
+        assert plan(recipe(), shuffled) == first
+    trainer = first.replicas_of("trainer")[0]
+    assert trainer.ranks == (4, 5, 6, 7) and trainer.master == ("node001", trainer.processes[0].ports[1])
+    assert [r.ranks for r in first.replicas_of("inference")] == [(0, 1), (2, 3)]
+    assert [r.ranks for r in first.replicas_of("rollout")] == [(0,), (1,), (2,)]
+    assert first.controller_host == "node000" and [s[:2] for s in first.storage] == [
+        ("node000", 0),
+        ("node001", 4),
+    ]
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3, 7, 16, 33, 64])
+def test_ports_never_collide_on_a_host(hosts):
+    groups = (
+        ServiceGroup(id="rollout", config=Writer(), replicas=hosts * 3),
+        ServiceGroup(id="ref", config=Writer(columns=("ref",)), replicas=hosts * 2, devices_per_replica=2),
+        ServiceGroup(
+            id="inference", config=Writer(columns=("response",)), replicas=hosts * 2, devices_per_replica=2
+        ),
+        ServiceGroup(id="trainer", config=Reader(), devices_per_replica=hosts * 4),
+    )
+    rings = (
+        ColocationRing(
+            id="gen",
+            members=(RingMember(group="inference", mode=Scheduling.FALLBACK), RingMember(group="ref")),
+        ),
+    )
+    r = Recipe(name="t", groups=groups, rings=rings)
+    topo = plan(r, cluster(hosts, 8))
+    per_host: dict[str, list[int]] = {}
+    for rep in topo.replicas:
+        for p in rep.processes:
+            per_host.setdefault(p.host, []).extend(p.ports)
+    for host, ports in per_host.items():
+        ports += [topo.controller_port] if host == topo.controller_host else []
+        ports += [port for h, _, port in topo.storage if h == host]
+        dup = [p for p, n in Counter(ports).items() if n > 1]
+        assert not dup, f"{host}: ports {dup[:5]} used twice"
+        assert max(ports) <= 65535
+    # ring members share devices, one process per device each
+    assert [r.ranks for r in topo.replicas_of("ref")] == [r.ranks for r in topo.replicas_of("inference")]
+
+
+def test_two_agents_on_one_machine_get_distinct_ports():
+    devs = [Device(0, "box", 0), Device(1, "box", 0)]  # two torchrun agents, one slot each
+    r = Recipe(
+        name="t",
+        groups=(
+            ServiceGroup(id="a", config=Writer(), devices_per_replica=1),
+            ServiceGroup(id="b", config=Reader(), devices_per_replica=1),
+        ),
+    )
+    topo = plan(r, devs)
+    ports = [port for rep in topo.replicas for p in rep.processes for port in p.ports]
+    assert len(ports) == len(set(ports))
+
+
+def problems(r: Recipe, devs: list[Device]) -> str:
+    with pytest.raises(RecipeError) as e:
+        plan(r, devs)
+    return str(e.value)
+
+
+def test_too_few_and_too_many_devices():
+    assert devices_needed(recipe()) == 8
+    assert "needs 8 devices (inference 2x2, trainer 1x4), only 6 available" in problems(
+        recipe(), cluster(1, 6)
+    )
+    assert "9 devices but the recipe uses 8" in problems(recipe(), cluster(1, 9))
+
+
+def test_ring_errors_name_the_ring_and_member():
+    groups = (
+        ServiceGroup(id="inference", config=Writer(columns=("response",)), devices_per_replica=2),
+        ServiceGroup(id="trainer", config=Reader(columns=("tokens", "response")), devices_per_replica=4),
+        ServiceGroup(id="tokens", config=Writer(), devices_per_replica=0),
+    )
+    rings = (
+        ColocationRing(
+            id="r1",
+            members=(
+                RingMember(group="inference", mode=Scheduling.FALLBACK),
+                RingMember(group="trainer", mode=Scheduling.FALLBACK),
+            ),
+        ),
+        ColocationRing(id="r2", members=(RingMember(group="trainer"), RingMember(group="ghost"))),
+        ColocationRing(id="r3", members=(RingMember(group="tokens"), RingMember(group="inference"))),
+    )
+    msg = problems(Recipe(name="t", groups=groups, rings=rings), cluster(1, 6))
+    assert "rings['r1'].members: at most one FALLBACK member" in msg
+    assert "rings['r1'].members: 'trainer' (1 x 4 devices) does not share devices with 'inference'" in msg
+    assert "rings['r2'].members: group 'trainer' is already in ring 'r1'" in msg
+    assert "rings['r2'].members: unknown group 'ghost'" in msg
+    assert "rings['r3'].members: 'tokens' uses no devices" in msg
+
+
+def test_missing_column_names_the_reader_and_a_fix():
+    r = Recipe(
+        name="t",
+        groups=(
+            ServiceGroup(id="rollout", config=Writer()),
+            ServiceGroup(id="trainer", config=Reader(columns=("tokens", "values"))),
+        ),
+    )
+    msg = problems(r, cluster(1, 1))
+    assert "groups['trainer'].config reads samples.values, which no service writes: add a critic" in msg
+
+
+def test_recipe_level_errors_are_collected():
+    class NotAService:
+        pass
+
+    with pytest.raises(RecipeError) as e:
+        Recipe(
+            name="t",
+            groups=(
+                ServiceGroup(id="a", config=NotAService(), replicas=0),  # type: ignore[arg-type]
+                ServiceGroup(id="a", config=Writer()),
+            ),
+            total_steps=0,
+        )
+    msg = str(e.value)
+    assert "groups: id 'a' is used twice" in msg
+    assert "groups['a'].replicas: must be >= 1" in msg
+    assert "groups['a'].config: NotAService is not a known service type" in msg
+    assert "total_steps: must be >= 1" in msg
+
+
+def test_overrides_reach_nested_fields_and_reject_unknown_keys():
+    r = recipe().with_overrides(["seed=7", "trainer.columns=tokens,response,extra", "rollout.replicas=5"])
+    assert r.seed == 7 and r.group("rollout").replicas == 5
+    assert r.group("trainer").config.columns == ("tokens", "response", "extra")  # type: ignore[attr-defined]
+    with pytest.raises(RecipeError, match="no recipe field or group 'traner'"):
+        recipe().with_overrides(["traner.lr=1"])
+    with pytest.raises(RecipeError, match="Reader has no field 'lr'"):
+        recipe().with_overrides(["trainer.lr=1"])
+    with pytest.raises(RecipeError, match="override 'seed=abc': 'abc' is not an integer"):
+        recipe().with_overrides(["seed=abc"])
+    assert dataclasses.replace(recipe(), seed=1) != recipe()
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.py")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads_and_plans(path):
+    r = load_recipe(path)
+    n = max(1, devices_needed(r))
+    topo = plan(r, [Device(i, "localhost", i) for i in range(n)])
+    assert topo.replicas
