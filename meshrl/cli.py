@@ -7,7 +7,9 @@ import sys
 USAGE = """usage: meshrl COMMAND [ARGS]
 
 commands:
+  demo                                       the main job: a tiny model learns arithmetic by GRPO
   run RECIPE [--devices N] [key=value ...]   run a recipe on this host (wraps torchrun)
+  sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR]                           services, queue and weight version of a run
   queue serve [...]                          run the data plane's controller / storage server
 """
@@ -20,6 +22,14 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.run import main as run
 
         raise SystemExit(run(rest))
+    if cmd == "demo":
+        from meshrl.demo import main as demo
+
+        raise SystemExit(demo(rest))
+    if cmd == "sft":
+        from meshrl.sft import main as sft
+
+        raise SystemExit(sft(rest))
     if cmd == "status":
         from meshrl.status import main as status
 

@@ -79,6 +79,7 @@ class Launcher:
         devices = [Device(int(r), str(h), int(lr)) for r, h, lr, _ in gathered]
         address = {str(h): str(a) for _, h, _, a in sorted(gathered, key=lambda x: -int(x[0]))}
         topology = plan(recipe, devices)
+        self.total_steps = recipe.total_steps
         self.run_dir = recipe.resolved_run_dir.resolve()
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -91,6 +92,7 @@ class Launcher:
         secret = self._secret(recipe, topology)
         controller = self._start_dataplane(recipe, topology, address, secret)
         env = self._service_env(recipe, devices, controller, secret)
+        env["MESHRL_ADDRESSES"] = json.dumps(address)
         self._start_services(topology, env)
         failed = wait_ready(self.children, timeout=900)
         if failed is not None:
@@ -178,10 +180,10 @@ class Launcher:
     def _service_env(
         self, recipe: Recipe, devices: list[Device], controller: str, secret: str | None
     ) -> dict[str, str]:
-        env = dict(os.environ)
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # fmt: skip
-            env.pop(k, None)  # a service's own torch.distributed group is not the launchers'
+        torchrun = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE"}  # fmt: skip
+        # a service's own torch.distributed group is not the launchers': drop what torchrun set for us
+        env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC_")}
         env.update(
             MESHRL_RECIPE=self.recipe_path,
             MESHRL_OVERRIDES=json.dumps(self.overrides),
@@ -210,15 +212,23 @@ class Launcher:
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
+        progress = Progress(self.run_dir / "metrics.jsonl", self.total_steps) if self.rank == 0 else None
         while running:
+            if progress is not None:
+                progress.update()
             for c in list(running):
                 code = c.poll()
                 if code is None:
                     continue
                 running.remove(c)
                 if code != 0:
+                    if progress is not None:
+                        progress.close()
                     return self._fail(c, controller, secret)
             time.sleep(0.1)
+        if progress is not None:
+            progress.update()
+            progress.close()
         return 0
 
     def _fail(self, child: Child, controller: str, secret: str | None) -> int:
@@ -247,6 +257,45 @@ class Launcher:
             c.stop()
         for c in reversed(self.plane):  # storage before controller
             c.stop()
+
+
+class Progress:
+    """A progress bar over training steps, fed by the trainer's metrics.jsonl (launcher rank 0)."""
+
+    def __init__(self, path: Path, total: int) -> None:
+        self.path = path
+        self.total = total
+        self.offset = 0
+        self.bar: Any = None
+
+    def update(self) -> None:
+        try:
+            with open(self.path) as f:
+                f.seek(self.offset)
+                lines = f.readlines()
+                self.offset = f.tell()
+        except OSError:
+            return
+        rows = [json.loads(line) for line in lines if line.endswith("\n")]
+        if not rows:
+            return
+        last = rows[-1]
+        if not sys.stderr.isatty():  # logs and CI: a line every 10 steps instead of a redrawn bar
+            for row in rows:
+                if row["step"] % 10 == 9 or row["step"] == self.total - 1:
+                    print(f"[meshrl] step {row['step'] + 1}/{self.total} reward {row.get('reward_mean', 0):.3f} "
+                          f"loss {row.get('loss', 0):.4f}", flush=True)  # fmt: skip
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True)
+        self.bar.set_postfix(reward=f"{last.get('reward_mean', 0):.3f}", loss=f"{last.get('loss', 0):.4f}")
+        self.bar.update(len(rows))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _my_address() -> str:

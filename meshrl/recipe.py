@@ -53,6 +53,11 @@ class ServiceConfig:
         """Columns this service produces, per partition."""
         return {}
 
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        """Problems of this config in the context of the whole recipe (paths, settings other services
+        must agree with). Each message names the field. Called by the planner before anything starts."""
+        return []
+
 
 class Scheduling(enum.Enum):
     ON_DEMAND = "on_demand"
@@ -164,7 +169,8 @@ class Recipe:
         raise KeyError(gid)
 
     def with_overrides(self, overrides: list[str]) -> Recipe:
-        """Apply `key=value` overrides: `seed=3`, `<group id>.<config field>=...`, `<group id>.replicas=2`."""
+        """Apply `key=value` overrides: `seed=3`, `<group id>.<config field>=...`, `<group id>.replicas=2`,
+        `*.<config field>=...` (every group whose config has that field, e.g. `*.model=/path`)."""
         out = self
         for item in overrides:
             key, sep, value = item.partition("=")
@@ -180,6 +186,13 @@ class Recipe:
 
 def _override(obj: Any, path: list[str], value: str, full: str) -> Any:
     head, rest = path[0], path[1:]
+    if isinstance(obj, Recipe) and head == "*":  # every group whose config has that field
+        hits = [g for g in obj.groups if rest and rest[0] in {f.name for f in fields(g.config)}]
+        if not hits:
+            raise RecipeError([f"override {full!r}: no group config has a field {'.'.join(rest)!r}"])
+        for g in hits:
+            obj = _override(obj, [g.id, *rest], value, full)
+        return obj
     if isinstance(obj, Recipe) and head not in {f.name for f in fields(obj)}:
         try:
             g = obj.group(head)

@@ -54,6 +54,12 @@ class ServiceContext:
             return torch.device("cuda", self.process.local_rank)
         return torch.device("cpu")
 
+    def address(self, host: str) -> str:
+        """Where other processes reach `host` (loopback when the whole run is on one host)."""
+        if self.topology.single_host:
+            return "127.0.0.1"
+        return str(json.loads(os.environ.get("MESHRL_ADDRESSES", "{}")).get(host, host))
+
     def client(self, name: str | None = None) -> Client:
         return Client(self.controller, secret=self.secret, name=name or self.name)
 

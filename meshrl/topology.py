@@ -194,6 +194,9 @@ def plan(recipe: Recipe, devices: list[Device] | tuple[Device, ...]) -> Topology
         )
 
     _check_columns(recipe, problems)
+    for g in recipe.groups:
+        if isinstance(g.config, ServiceConfig):
+            problems += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(recipe, g)]
     if problems:
         raise RecipeError(problems)
 

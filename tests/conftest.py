@@ -76,3 +76,46 @@ def plane(tmp_path: Path) -> Iterator[Plane]:
     stop_plane(p)
     left = os.listdir(p.shm_dir)
     assert not left, f"segments left behind after shutdown: {left}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init ~1M-parameter Qwen2 with the character tokenizer, saved with save_pretrained."""
+    from meshrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def arith_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after the demo's supervised warm start on arithmetic (imperfect on purpose)."""
+    import torch
+
+    from meshrl.sft import SFTConfig, train
+
+    out = tmp_path_factory.mktemp("models") / "arith-sft"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(SFTConfig(model=str(tiny_model), out=str(out), steps=60))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def free_base_port() -> int:
+    """A base port with room for a run's ports above it (runs in parallel tests must not collide)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = 20000 + s.getsockname()[1] % 35000
+        try:
+            for port in (base, base + 1, base + 2, base + 40):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")

@@ -1,0 +1,263 @@
+"""Per-token log-probabilities, entropy, KL estimators and the clipped policy-gradient losses.
+
+The trainer's loss step is a composition of these pure functions, so that each piece (the clipping
+rule, the aggregation over tokens, the KL estimator) is a named choice that can be tested on its own.
+All [B, T] inputs are padded batches with a bool `mask`, True on the response tokens that count; values
+at masked positions never reach the loss or its gradient, whatever they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str, normalizer: float | None = None) -> Tensor:
+    """Reduce per-token values [B, T] with mask [B, T] to a scalar.
+
+    "token-mean": sum of masked values / (normalizer or number of masked tokens); every token weighs
+    the same (DAPO, Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale").
+    "seq-mean-token-mean": mean over each row's tokens (0 for a row without tokens), summed over rows /
+    (normalizer or B); the original GRPO form (Shao et al. 2024, DeepSeekMath).
+    "seq-mean-token-sum": sum over each row's tokens, summed over rows / (normalizer or B); with a
+    constant normalizer this is the length-unbiased form of Dr. GRPO (Liu et al. 2025).
+
+    `normalizer` lets gradient accumulation over micro-batches and data-parallel ranks divide by the
+    global token or row count, so that the summed micro-batch losses equal the full-batch loss.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {mode!r}; allowed: {', '.join(AGGREGATIONS)}")
+    if values.shape != mask.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} != mask shape {tuple(mask.shape)}")
+    m = mask.bool()
+    v = torch.where(m, values, 0.0)  # where, not multiply: inf * 0 is nan
+    if mode == "token-mean":
+        denom = normalizer if normalizer is not None else m.sum().clamp_min(1).to(v.dtype)
+        return v.sum() / denom
+    per_row = v.sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_row = per_row / m.sum(-1).clamp_min(1).to(v.dtype)
+    return per_row.sum() / (normalizer if normalizer is not None else max(values.shape[0], 1))
+
+
+def _chunks(length: int, chunk: int | None) -> list[tuple[int, int]]:
+    if chunk is None:
+        return [(0, length)]
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    x = logits.float()
+    return x / temperature if temperature > 0 and temperature != 1.0 else x
+
+
+def token_logprobs(
+    logits: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk: int | None = None
+) -> Tensor:
+    """Log-probability of each target token: log_softmax(logits.float() / temperature)[targets].
+
+    The per-token log pi(y_t | y_<t) of policy-gradient methods (Williams 1992, "Simple Statistical
+    Gradient-Following Algorithms for Connectionist Reinforcement Learning"); the temperature must be the
+    sampler's so that the trained policy is the one that generated the data.
+
+    logits [B, T, V] (any float dtype), targets [B, T] int64 -> [B, T] float32. temperature <= 0 means 1.
+    With `chunk`, at most `chunk` positions along T are converted to float32 at a time, which bounds the
+    extra memory of the forward pass to [B, chunk, V] (under autograd each chunk still keeps its own
+    saved tensors). The result equals the unchunked one.
+    """
+    if logits.shape[:-1] != targets.shape or logits.dim() != 3:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be [B, T, V] with targets {tuple(targets.shape)} [B, T]"
+        )
+    out = []
+    for s, e in _chunks(logits.shape[1], chunk):
+        x = _scaled(logits[:, s:e], temperature)
+        picked = x.gather(-1, targets[:, s:e].unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(x, dim=-1))
+    return torch.cat(out, dim=1) if len(out) != 1 else out[0]
+
+
+def entropy(logits: Tensor, *, temperature: float = 1.0, chunk: int | None = None) -> Tensor:
+    """Entropy of softmax(logits / temperature) at each position, H = logsumexp(x) - sum(p * x).
+
+    The entropy bonus/diagnostic of actor-critic methods (Mnih et al. 2016, "Asynchronous Methods for
+    Deep Reinforcement Learning"). logits [B, T, V] -> [B, T] float32; temperature <= 0 means 1;
+    `chunk` as in `token_logprobs`.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got {tuple(logits.shape)}")
+    out = []
+    for s, e in _chunks(logits.shape[1], chunk):
+        x = _scaled(logits[:, s:e], temperature)
+        p = torch.softmax(x, dim=-1)
+        out.append(torch.logsumexp(x, dim=-1) - (p * x).sum(-1))
+    return torch.cat(out, dim=1) if len(out) != 1 else out[0]
+
+
+def kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimator of KL(pi || ref) from tokens sampled from pi.
+
+    J. Schulman 2020, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html), with
+    d = logprobs - ref_logprobs: k1 = d (unbiased, high variance, can be negative), k2 = d^2 / 2 (biased,
+    low variance), k3 = exp(-d) - 1 + d (unbiased and always >= 0). Inputs of one shape (e.g. [B, T]);
+    returns that shape, unmasked (aggregate it with `aggregate`).
+    """
+    d = logprobs - ref_logprobs
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown KL estimator {kind!r}; allowed: {', '.join(KL_KINDS)}")
+
+
+@dataclass
+class PolicyLoss:
+    """A scalar loss to call backward on, and detached diagnostics as python floats."""
+
+    loss: Tensor
+    metrics: dict[str, float]
+
+
+def _metrics(ratio: Tensor, low: Tensor, high: Tensor, log_ratio: Tensor, mask: Tensor) -> dict[str, float]:
+    """Token-level diagnostics over masked tokens, fetched from the device in one transfer; all 0.0
+    when the mask is empty. low/high: tokens whose loss was cut by clipping below/above the band."""
+    with torch.no_grad():
+        m = mask.bool()
+        n = m.sum().clamp_min(1).float()
+        ratio, log_ratio = ratio.detach().float(), log_ratio.detach().float()
+        frac_low = (low & m).sum().float() / n
+        frac_high = (high & m).sum().float() / n
+        k3 = torch.where(m, torch.expm1(log_ratio) - log_ratio, 0.0)
+        # -inf when the mask is empty; replaced by 0.0 below (no host sync to test for it here)
+        ratio_max = torch.where(m, ratio, -torch.inf).amax() if m.numel() else ratio.new_zeros(())
+        values = torch.stack(
+            [
+                frac_low + frac_high,
+                frac_low,
+                frac_high,
+                torch.where(m, ratio, 0.0).sum() / n,
+                ratio_max,
+                k3.sum() / n,
+            ]
+        ).tolist()
+    values = [v if v != -float("inf") else 0.0 for v in values]
+    keys = (
+        "clip_fraction",
+        "clip_fraction_low",
+        "clip_fraction_high",
+        "ratio_mean",
+        "ratio_max",
+        "approx_kl",
+    )
+    return dict(zip(keys, values, strict=True))
+
+
+def _token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    if advantages.shape == mask.shape[:1]:
+        advantages = advantages.unsqueeze(-1).expand(mask.shape)
+    elif advantages.shape != mask.shape:
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for mask {tuple(mask.shape)}"
+        )
+    return torch.where(mask.bool(), advantages, 0.0)
+
+
+def ppo_clip(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> PolicyLoss:
+    """PPO clipped surrogate, per token: -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A).
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms"; separate lower and upper bounds
+    ("clip-higher") from DAPO, Yu et al. 2025; `dual_clip=c` (> 1) from Ye et al. 2020, "Mastering
+    Complex Control in MOBA Games with Deep Reinforcement Learning", caps the loss of tokens with A < 0
+    at -c * A so that a huge ratio cannot blow it up.
+
+    logprobs, old_logprobs, mask [B, T]; advantages [B] (broadcast over tokens) or [B, T]. ratio =
+    exp(logprobs - old_logprobs). Reduced with `aggregate(.., aggregation, normalizer)`.
+    Metrics over masked tokens: clip_fraction_low / _high are the fractions of tokens whose loss is a
+    clipped constant (zero gradient) with the ratio below / above the band (tokens capped by the dual
+    clip count as high), clip_fraction their sum; ratio_mean, ratio_max; approx_kl, the k3 estimate of
+    KL(old || new) = mean(exp(new - old) - 1 - (new - old)).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    m = mask.bool()
+    # zero masked log-ratios before exp: exp(huge) is inf, and inf * 0 in backward is nan
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = _token_advantages(advantages, m)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        cut = clipped > unclipped
+        low = cut & (ratio < 1.0 - clip_low)
+        high = cut & (ratio > 1.0 + clip_high)
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        capped = (adv < 0) & (per_token > cap)
+        per_token = torch.where(capped, cap, per_token)
+        high = high | capped.detach()
+    loss = aggregate(per_token, m, aggregation, normalizer)
+    return PolicyLoss(loss, _metrics(ratio, low, high, log_ratio, m))
+
+
+def gspo(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    normalizer: float | None = None,
+) -> PolicyLoss:
+    """Group Sequence Policy Optimization: PPO clipping on a length-normalised sequence ratio.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization". s_i = exp(mean over row i's valid tokens of
+    (logprobs - old_logprobs)); loss = -(1 / (normalizer or B)) * sum_i min(s_i A_i, clip(s_i, 1 -
+    clip_low, 1 + clip_high) A_i).
+
+    Implemented in the paper's token-level form (GSPO-token): s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]),
+    whose value is s_i at every token, and the clipped term is averaged over the row's tokens. Its value
+    and, with one advantage per row, its gradient s_i A_i * mean_t grad logp_t equal the sequence form's.
+    logprobs, old_logprobs, mask [B, T]; advantages [B]. Rows without valid tokens contribute 0.
+    Metrics as in `ppo_clip`, per token, each token carrying its sequence's ratio and clipping;
+    approx_kl uses the per-token log-ratios.
+    """
+    if advantages.shape != mask.shape[:1]:
+        raise ValueError(f"advantages must be [B] = {tuple(mask.shape[:1])}, got {tuple(advantages.shape)}")
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)
+    count = m.sum(-1).clamp_min(1).to(log_ratio.dtype)
+    seq_ratio = torch.exp(log_ratio.sum(-1) / count)  # [B]
+    safe_logprobs = torch.where(m, logprobs, 0.0)
+    token_ratio = seq_ratio.detach().unsqueeze(-1) * torch.exp(safe_logprobs - safe_logprobs.detach())
+    adv = _token_advantages(advantages, m)
+    unclipped = -adv * token_ratio
+    clipped = -adv * torch.clamp(token_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = aggregate(per_token, m, "seq-mean-token-mean", normalizer)
+    with torch.no_grad():
+        cut = clipped > unclipped
+        low = cut & (token_ratio < 1.0 - clip_low)
+        high = cut & (token_ratio > 1.0 + clip_high)
+    return PolicyLoss(loss, _metrics(token_ratio, low, high, log_ratio, m))

@@ -1,0 +1,364 @@
+"""The training engine: an HF causal LM sharded with FSDP2, updated by a configurable policy loss.
+
+One engine, many algorithms: `update_policy(batch, cfg)` runs the step the config describes (PPO clip or
+GSPO, token or sequence aggregation, entropy bonus, KL to a reference), with gradient accumulation over
+micro-batches and loss normalisation over the whole step across every data-parallel rank. It works on
+CPU (gloo) and GPU (NCCL); with one rank it is plain data-parallel-of-one training.
+
+`get_weights()` yields full (unsharded) tensors in `manifest()` order; every rank must iterate it (the
+gather is collective) and only rank 0 keeps what it yields.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshrl.algorithms.losses import aggregate, entropy, gspo, kl, ppo_clip, token_logprobs
+from meshrl.dataplane.batch import DTYPE_NAMES
+
+
+@dataclass
+class TrainBatch:
+    """Rows packed for training. Position t of `mask`/`old_logprobs` scores token t+1 of `input_ids`."""
+
+    input_ids: torch.Tensor  # [n, L] right-padded prompt + response
+    attention_mask: torch.Tensor  # [n, L]
+    mask: torch.Tensor  # [n, L-1] bool: positions that predict a response token of a valid row
+    old_logprobs: torch.Tensor  # [n, L-1] behaviour logprobs at those positions
+    advantages: torch.Tensor  # [n] (outcome) or [n, L-1] (per token)
+    ref_logprobs: torch.Tensor | None = None  # [n, L-1]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: torch.Tensor, trim: bool = True) -> TrainBatch:
+        """A subset of rows, trimmed to its own longest row."""
+        width = int(self.attention_mask[index].sum(1).max()) if trim else self.input_ids.shape[1]
+        pick = lambda t: None if t is None else t[index][:, : width - 1] if t.dim() == 2 else t[index]  # noqa: E731
+        return TrainBatch(
+            input_ids=self.input_ids[index][:, :width],
+            attention_mask=self.attention_mask[index][:, :width],
+            mask=pick(self.mask),  # type: ignore[arg-type]
+            old_logprobs=pick(self.old_logprobs),  # type: ignore[arg-type]
+            advantages=pick(self.advantages),  # type: ignore[arg-type]
+            ref_logprobs=pick(self.ref_logprobs),
+        )
+
+
+def pack(
+    prompts: list[torch.Tensor],
+    responses: list[torch.Tensor],
+    logprobs: list[torch.Tensor],
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    ref_logprobs: list[torch.Tensor] | None = None,
+    pad_id: int = 0,
+) -> TrainBatch:
+    """Right-pad prompt+response rows; align per-response-token values to the positions predicting them."""
+    n = len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    width = max(lengths)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width - 1), dtype=torch.bool)
+    old = torch.zeros((n, width - 1), dtype=torch.float32)
+    ref = torch.zeros((n, width - 1), dtype=torch.float32) if ref_logprobs is not None else None
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        lp, lr = len(p), len(r)
+        ids[i, :lp] = p
+        ids[i, lp : lp + lr] = r
+        attn[i, : lp + lr] = 1
+        if bool(valid[i]) and lr:
+            mask[i, lp - 1 : lp + lr - 1] = True
+        old[i, lp - 1 : lp + lr - 1] = logprobs[i]
+        if ref is not None and ref_logprobs is not None:
+            ref[i, lp - 1 : lp + lr - 1] = ref_logprobs[i]
+    adv = torch.where(valid.bool(), advantages.float(), torch.zeros_like(advantages, dtype=torch.float32))
+    return TrainBatch(ids, attn, mask, old, adv, ref)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if cfg.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
+
+
+class FSDPEngine:
+    """A policy being trained. Construct on every rank of the trainer's process group."""
+
+    def __init__(
+        self,
+        model_path: str,
+        optim: OptimConfig,
+        *,
+        device: torch.device,
+        loader_kwargs: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        self.device = device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if not os.path.exists(model_path):
+            raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
+        model.config.use_cache = False
+        self.hf_config = model.config
+        model.to(device)
+        if dist.is_initialized():
+            mesh = init_device_mesh(device.type, (self.world,))
+            for layer in _decoder_layers(model):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.model: Any = model
+        self.model.train()
+        self.optim_cfg = optim
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, eps=1e-8
+        )
+        self.steps = 0
+        self._set_lr()
+
+    # ---------------------------------------------------------------------------------------------------
+
+    def _set_lr(self) -> float:
+        lr = self.optim_cfg.lr * lr_factor(self.steps, self.optim_cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def forward_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [n, L-1] of the next tokens, entropy [n, L-1]) under logits / temperature."""
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)
+        ent = entropy(logits, temperature=temperature)
+        return lp, ent
+
+    def update_policy(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
+        """Train on `batch` (this rank's share) as `cfg` (a TrainerConfig) describes: `cfg.mini_batches`
+        optimizer steps, each on an equal slice of the rows (in a seeded random order).
+
+        Returns the step's metrics, averaged over the optimizer steps (timings summed). A non-finite loss
+        or gradient skips that update and counts it in `nan_skipped`.
+        """
+        k = max(1, min(cfg.mini_batches, len(batch)))
+        gen = torch.Generator().manual_seed(self.steps)
+        order = torch.randperm(len(batch), generator=gen)
+        results = [self._update(batch.rows(part, trim=False), cfg) for part in order.tensor_split(k)]
+        out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s", "tokens"):
+            out[key] = sum(r[key] for r in results)
+        out["ratio_max"] = max(r["ratio_max"] for r in results)
+        return out
+
+    def _update(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
+        """One optimizer step on `batch`, accumulating gradients over micro-batches."""
+        t0 = time.perf_counter()
+        tokens, rows = float(batch.mask.sum()), float((batch.mask.sum(1) > 0).sum())
+        g_tokens, g_rows, g_n = self._all_sum([tokens, rows, float(len(batch))])
+        normalizer = g_tokens if cfg.loss_agg == "token-mean" else g_n
+        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
+        chunks = list(order.split(cfg.micro_batch))
+        # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
+        n_chunks = int(self._max([len(chunks)]))
+        sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
+        ratio_max = 0.0
+        for k in range(n_chunks):
+            last = k == n_chunks - 1
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(last)
+            index = chunks[k] if k < len(chunks) else chunks[0][:1]
+            mb = batch.rows(index)
+            if k >= len(chunks):
+                mb.mask = torch.zeros_like(mb.mask)
+            mask = mb.mask.to(self.device)
+            lp, ent = self.forward_logprobs(mb, cfg.temperature)
+            old = mb.old_logprobs.to(self.device)
+            adv = mb.advantages.to(self.device)
+            if cfg.policy_loss == "gspo":
+                out = gspo(lp, old, adv, mask, normalizer=g_rows)
+            else:
+                out = ppo_clip(
+                    lp,
+                    old,
+                    adv,
+                    mask,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip,
+                    aggregation=cfg.loss_agg,
+                    normalizer=normalizer,
+                )
+            loss = out.loss
+            ent_term = aggregate(ent, mask, cfg.loss_agg, normalizer)
+            loss = loss - cfg.entropy_coef * ent_term
+            if cfg.kl_coef > 0 and mb.ref_logprobs is not None:
+                kl_term = aggregate(
+                    kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator), mask, cfg.loss_agg, normalizer
+                )
+                loss = loss + cfg.kl_coef * kl_term
+                sums["kl_ref"] += float(kl_term.detach())
+            loss.backward()
+            weight = float(mask.sum()) / max(g_tokens, 1.0)
+            sums["pg_loss"] += float(out.loss.detach())
+            sums["entropy"] += float(ent_term.detach())
+            sums["clip_fraction"] += out.metrics.get("clip_fraction", 0.0) * weight
+            sums["approx_kl"] += out.metrics.get("approx_kl", 0.0) * weight
+            ratio_max = max(ratio_max, out.metrics.get("ratio_max", 0.0))
+        t1 = time.perf_counter()
+        reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        finite = math.isfinite(grad_norm) and math.isfinite(reduced["pg_loss"])
+        lr = self.optimizer.param_groups[0]["lr"]
+        if finite:
+            self.optimizer.step()
+            self.steps += 1
+            self._set_lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        return {
+            **reduced,
+            "loss": reduced["pg_loss"]
+            - cfg.entropy_coef * reduced["entropy"]
+            + cfg.kl_coef * reduced["kl_ref"],
+            "ratio_max": self._max([ratio_max]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "nan_skipped": 0.0 if finite else 1.0,
+            "tokens": g_tokens,
+            "time/forward_backward_s": t1 - t0,
+            "time/optimizer_s": t2 - t1,
+        }
+
+    def _max(self, values: list[float]) -> float:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.max())
+
+    # ---------------------------------------------------------------------------------------------------
+    # weights and checkpoints
+
+    def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(n, tuple(p.shape), DTYPE_NAMES[p.dtype]) for n, p in self.model.named_parameters()]
+
+    def get_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
+        """Full tensors in manifest order (collective: every rank iterates it).
+
+        Shards are gathered one bucket of parameters at a time with a single all-gather each, so the
+        cost is a few collectives per model rather than one per parameter, and memory stays bounded.
+        """
+        params = [p for _, p in self.model.named_parameters()]
+        with torch.no_grad():
+            if self.world == 1:
+                for p in params:
+                    yield (p.to_local() if hasattr(p, "to_local") else p).detach()
+                return
+            bucket: list[torch.Tensor] = []
+            size = 0
+            for p in params:
+                if bucket and (
+                    size + p.numel() * p.element_size() > bucket_bytes or p.dtype != bucket[0].dtype
+                ):
+                    yield from self._gather(bucket)
+                    bucket, size = [], 0
+                bucket.append(p)
+                size += p.numel() * p.element_size()
+            if bucket:
+                yield from self._gather(bucket)
+
+    def _gather(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Full tensors of dim-0-sharded parameters (torch.chunk layout) with one all-gather."""
+        world = self.world
+        pieces, layout = [], []
+        for p in params:
+            local = p.to_local()  # type: ignore[attr-defined]
+            chunk = -(-p.shape[0] // world)
+            padded = torch.zeros((chunk, *p.shape[1:]), dtype=p.dtype, device=local.device)
+            padded[: local.shape[0]] = local
+            pieces.append(padded.reshape(-1))
+            layout.append((p.shape, chunk))
+        flat = torch.cat(pieces)
+        out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(out, flat)
+        grid = out.view(world, -1)
+        full, offset = [], 0
+        for shape, chunk in layout:
+            n = chunk * math.prod(shape[1:])
+            full.append(grid[:, offset : offset + n].reshape(world * chunk, *shape[1:])[: shape[0]])
+            offset += n
+        return full
+
+    def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
+        """A Hugging Face checkpoint that from_pretrained loads (collective; rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if dist.is_initialized():
+            state = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        else:
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        if self.rank == 0:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            with torch.device("meta"):
+                shell = AutoModelForCausalLM.from_config(self.hf_config)
+            shell.load_state_dict(state, assign=True)
+            shell.tie_weights()
+            shell.config.use_cache = True
+            shell.save_pretrained(path)
+            if tokenizer_from is not None:
+                AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of an HF causal LM (each becomes one FSDP unit)."""
+    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj: Any = model
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, torch.nn.ModuleList):
+            return list(obj)
+    return []

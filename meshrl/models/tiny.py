@@ -1,0 +1,155 @@
+"""A tiny character-level causal language model, built from nothing on the local machine.
+
+Tests and the CPU demo need a real Hugging Face checkpoint (one that `AutoModelForCausalLM` and
+`AutoTokenizer` load like any other) but cannot download one. This module makes one: a tokenizer with
+one token per character and a randomly initialised Qwen2 (or Llama) of about a million parameters.
+
+Vocabulary, in id order (the order is fixed: checkpoints and tests rely on it):
+
+- ``<pad>`` (0), ``<eos>`` (1), ``<|user|>`` (2), ``<|assistant|>`` (3): special tokens;
+- the digits ``0``-``9`` (4-13), the lowercase letters ``a``-``z`` (14-39), the space (40), then
+  ``+-*/=()?.,:`` (41-51).
+
+Every character is one token and decoding joins tokens with nothing between them, so
+``decode(encode(text)) == text`` for text made of these characters. Any other character (an uppercase
+letter, a newline, ...) is encoded as ``?`` (`UNK_FALLBACK`) instead of failing. Nothing is added when
+encoding: there is no BOS token (the config's ``bos_token_id`` is the EOS id, only so that code which
+asks for one gets a valid id).
+
+Tokens are stored in byte-level form (the space is the token ``Ġ``, every other character is itself)
+and the tokenizer maps characters to bytes before the lookup. The reason: for a ``qwen2`` checkpoint,
+transformers' `AutoTokenizer` ignores the saved pipeline and rebuilds its own byte-level BPE
+(`Qwen2Tokenizer`) from the saved vocabulary. With byte-level tokens that rebuilt tokenizer gives the
+same ids and the same decoded text for every supported character. Two differences remain there,
+neither reachable by the arithmetic task: it drops unsupported characters instead of writing ``?``,
+and it adds an unused ``<|endoftext|>`` token (id 52, past the model's vocabulary). A ``llama``
+checkpoint loads this tokenizer exactly as saved.
+
+The chat template renders ``<|user|>{content}`` for user messages and ``<|assistant|>{content}<eos>``
+for assistant messages; ``add_generation_prompt`` appends ``<|assistant|>``. Other roles are an error.
+The tokenizer pads on the left, as batched generation needs.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+PAD = "<pad>"
+EOS = "<eos>"
+USER = "<|user|>"
+ASSISTANT = "<|assistant|>"
+SPECIAL_TOKENS = (PAD, EOS, USER, ASSISTANT)
+CHARACTERS = string.digits + string.ascii_lowercase + " " + "+-*/=()?.,:"
+"""The supported characters, in vocabulary order."""
+UNK_FALLBACK = "?"
+"""The character that stands for any character outside `CHARACTERS`."""
+BYTE_LEVEL_SPACE = "\u0120"
+"""How byte-level tokenizers spell the space byte (``Ġ``); all other characters here spell themselves."""
+MAX_POSITIONS = 128
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<eos>"
+    "{% else %}{{ raise_exception('the tiny chat template knows only user and assistant roles') }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def vocabulary() -> dict[str, int]:
+    """Token -> id: special tokens first, then `CHARACTERS` in order, each in byte-level form."""
+    chars = [c if c != " " else BYTE_LEVEL_SPACE for c in CHARACTERS]
+    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *chars))}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer (see the module docstring for its vocabulary and template)."""
+    core = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token=UNK_FALLBACK))
+    # Special tokens are matched first; the rest is cut into single characters, each then spelled as
+    # its bytes (an unsupported character thus becomes one unknown pre-token, one `?`).
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        additional_special_tokens=[USER, ASSISTANT],
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+        model_max_length=MAX_POSITIONS,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+ARCHITECTURES: dict[str, tuple[type[Qwen2Config] | type[LlamaConfig], type[PreTrainedModel]]] = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+}
+"""The ``arch`` values `build_tiny_model` accepts."""
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised tiny model and its tokenizer to `path` and return `path`.
+
+    The weights depend only on the arguments: the same seed gives the same checkpoint. The caller's
+    random number generators are left as they were.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch: expected one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    config_class, model_class = ARCHITECTURES[arch]
+    tok = build_tokenizer()
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    cfg = config_class(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=True,
+        pad_token_id=pad,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        dtype=torch.float32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,1 @@
+"""Inference: generates completions for prompt rows, with the latest published weights."""

@@ -1,0 +1,58 @@
+"""Configuration of the inference service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.roles import EVAL, SAMPLES
+
+if TYPE_CHECKING:
+    from meshrl.recipe import Recipe, ServiceGroup
+
+GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceConfig(ServiceConfig):
+    service = "meshrl.roles.inference.service:InferenceService"
+
+    model: str
+    """Local path of the initial policy (anything AutoModelForCausalLM.from_pretrained loads)."""
+    loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to from_pretrained (dtype, trust_remote_code, gguf_file, ...)."""
+    engine: str = "hf"
+    """Generation engine: "hf" (transformers; CPU, tests, small models)."""
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    max_batch: int = 256
+    """Rows generated together at most."""
+    trainer: str = "trainer"
+    """Group id of the trainer whose weights this replica follows."""
+    threads: int = 0
+    """torch threads of this process (0: leave the default)."""
+
+    def __post_init__(self) -> None:
+        require(self.temperature >= 0, "temperature", "must be >= 0")
+        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+        require(self.max_batch >= 1, "max_batch", "must be >= 1")
+        require(self.engine in ("hf",), "engine", f"{self.engine!r} is not one of: hf")
+
+    def reads(self) -> Columns:
+        return {SAMPLES: ("prompt",), EVAL: ("prompt",)}
+
+    def writes(self) -> Columns:
+        return {SAMPLES: GENERATED, EVAL: GENERATED}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        problems = []
+        if not Path(self.model).exists():
+            problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
+        if self.trainer not in {g.id for g in recipe.groups}:
+            problems.append(f"trainer: no group {self.trainer!r} in the recipe")
+        return problems

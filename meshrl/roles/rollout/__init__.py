@@ -1,0 +1,1 @@
+"""Rollout: feeds prompts, scores completions, computes advantages, paces itself on the trainer."""

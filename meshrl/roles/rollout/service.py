@@ -1,0 +1,322 @@
+"""The rollout service: feed prompts, score completions, compute advantages, evaluate.
+
+Four asyncio tasks share one data-plane client:
+- gates: reads the trainer's gate rows (this replica's own consumer name) and counts them;
+- feed: writes `group_size` rows per prompt into `samples`, never more than the pacing window allows:
+  after g gate rows at most (g - 1 + window) * batch_size samples are started (window None: no wait);
+- score: claims whole groups that inference completed, calls the reward function on each completion,
+  computes group advantages and writes `reward`, `advantage`, `valid` back into the same rows;
+- evaluate: at version 0, every `eval_every` versions and at the final version, writes the held-out
+  prompts (one greedy and `eval_samples` sampled rows each) into `eval` and records the accuracy in
+  <run_dir>/eval.jsonl.
+After the final gate and its evaluation, rollout ends the run.
+
+A reward function that raises marks that sample failed (valid = False, excluded from the loss); more
+than `max_failed_fraction` failures stop the run with the first traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import random
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshrl.algorithms import advantages as adv
+from meshrl.dataplane import AsyncClient, Batch
+from meshrl.dataplane.protocol import Meta
+from meshrl.roles import EVAL, GATE, SAMPLES
+from meshrl.roles.rollout.config import BUILTIN_TASKS, RolloutConfig
+from meshrl.service import Service
+
+POLL_S = 1.0
+RewardFn = Callable[[str, str, dict[str, Any]], float]
+
+
+class RolloutService(Service):
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        cfg = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.train_rows, self.eval_rows = load_rows(cfg)
+        module, _, fn = cfg.reward.partition(":")
+        self.reward_fn: RewardFn = getattr(importlib.import_module(module), fn)
+        self.rng = random.Random(self.ctx.recipe.seed * 7919 + self.ctx.replica.index)
+        self.order: list[int] = []
+        self.epoch = 0
+        self.cursor = 0
+        self.total = self.ctx.recipe.total_steps * cfg.batch_size
+        self.started = self.scored = self.failed = self.skipped = 0
+        self.first_failure: str | None = None
+        self.gates = 0
+        self.final_version: int | None = None
+        self.changed = asyncio.Event()
+        self.eval_pending: dict[int, int] = {}  # version -> rows not back yet
+        self.eval_results: dict[int, list[tuple[bool, float]]] = {}
+        self.group_seq = self.ctx.replica.index * 10**12
+        if self.ctx.replica.index == 0:
+            (self.ctx.run_dir / "eval.jsonl").write_text("")
+
+    @property
+    def config(self) -> RolloutConfig:
+        cfg = self.ctx.config
+        assert isinstance(cfg, RolloutConfig)
+        return cfg
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+    async def serve(self) -> None:
+        self.client = await AsyncClient.connect(
+            self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name
+        )
+        tasks = [
+            asyncio.create_task(t)
+            for t in (self.watch_gates(), self.feed(), self.score(), self.collect_eval())
+        ]
+        try:
+            while True:
+                done = [t for t in tasks if t.done()]
+                for t in done:
+                    t.result()  # re-raise a failure
+                if self.final_version is not None and not self.eval_pending and self.scored >= self.total:
+                    break
+                if self.finished(every=2.0):
+                    break
+                await asyncio.sleep(0.05)
+            if not self.finished(every=0.0):
+                self.finish_run()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.client.close()
+
+    # ---------------------------------------------------------------------------------------------------
+    # pacing
+
+    async def watch_gates(self) -> None:
+        consumer = f"{self.ctx.replica.name}-gate"
+        while True:
+            batch = await self.client.claim(GATE, consumer, ["version"], 64, timeout=POLL_S)
+            if not batch:
+                continue
+            for version, meta in zip(batch.tensor("version").tolist(), batch.meta or [], strict=False):
+                self.gates += 1
+                final = bool(meta and meta.get("final"))
+                if self.eval_rows and (
+                    version == 0
+                    or final
+                    or (self.config.eval_every and version % self.config.eval_every == 0)
+                ):
+                    await self.submit_eval(int(version))
+                if final:
+                    self.final_version = int(version)
+            self.ctx.health.info.update(
+                gates=self.gates, started=self.started, scored=self.scored, failed=self.failed
+            )
+            await self.client.ack(batch)
+            self.changed.set()
+
+    def allowed(self) -> int:
+        window = self.config.window
+        if window is None:
+            return self.total
+        return min(self.total, max(0, self.gates - 1 + window) * self.config.batch_size)
+
+    async def feed(self) -> None:
+        cfg = self.config
+        while self.started < self.total:
+            room = self.allowed() - self.started
+            if room < cfg.group_size:
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            prompts = min(room // cfg.group_size, cfg.prompts_per_step)
+            rows: list[torch.Tensor] = []
+            meta: list[Meta] = []
+            while len(rows) < prompts * cfg.group_size:
+                index, tokens = self.next_prompt()
+                self.group_seq += 1
+                rows += [tokens] * cfg.group_size
+                meta += [{"group": self.group_seq, "prompt_id": index, "epoch": self.epoch}] * cfg.group_size
+            await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600)
+            self.started += len(rows)
+
+    def next_prompt(self) -> tuple[int, torch.Tensor]:
+        """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""
+        for _ in range(len(self.train_rows) + 1):
+            if self.cursor >= len(self.order):
+                self.order = list(range(len(self.train_rows)))
+                self.rng.shuffle(self.order)
+                self.epoch += 1 if self.cursor else 0
+                self.cursor = 0
+            index = self.order[self.cursor]
+            self.cursor += 1
+            row = self.train_rows[index]
+            tokens = self.encode(row)
+            if len(tokens) <= self.config.max_prompt_len:
+                return index, tokens
+            self.skipped += 1
+            if self.skipped <= 5:
+                self.log.warning("prompt %d skipped: %d tokens > max_prompt_len", index, len(tokens))
+        raise RuntimeError(f"no prompt of the dataset fits max_prompt_len={self.config.max_prompt_len}")
+
+    def encode(self, row: dict[str, Any]) -> torch.Tensor:
+        text = str(row[self.config.prompt_field])
+        ids: Any
+        if self.config.chat_template:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        else:
+            ids = self.tokenizer(text)["input_ids"]
+        return torch.tensor(list(ids), dtype=torch.int64)
+
+    # ---------------------------------------------------------------------------------------------------
+    # scoring
+
+    async def score(self) -> None:
+        cfg = self.config
+        while True:
+            batch = await self.client.claim(
+                SAMPLES, "rollout", ["prompt", "response"], cfg.batch_size, group_size=cfg.group_size,
+                timeout=POLL_S, lease=600,
+            )  # fmt: skip
+            if not batch:
+                continue
+            rewards, valid = self.rewards(batch, self.train_rows)
+            groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
+            advantage = self.advantages(rewards, groups, valid)
+            await self.client.put(
+                SAMPLES, {"reward": rewards, "advantage": advantage, "valid": valid}, ids=batch.ids
+            )
+            await self.client.ack(batch)
+            self.scored += len(batch)
+            self.ctx.health.info.update(scored=self.scored, failed=self.failed, skipped=self.skipped)
+            if self.scored >= 4 * cfg.group_size and self.failed > cfg.max_failed_fraction * self.scored:
+                raise RuntimeError(
+                    f"{self.failed} of {self.scored} samples could not be scored (max_failed_fraction="
+                    f"{cfg.max_failed_fraction}); first failure:\n{self.first_failure}"
+                )
+
+    def rewards(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.zeros(len(batch), dtype=torch.float32)
+        valid = torch.ones(len(batch), dtype=torch.bool)
+        responses = batch.ragged("response")
+        eos = set(self.tokenizer.all_special_ids) & {self.tokenizer.eos_token_id}
+        for i, (pid, tokens) in enumerate(zip(batch.meta_of("prompt_id"), responses, strict=True)):
+            row = rows[int(pid)]
+            ids = tokens.tolist()
+            while ids and ids[-1] in eos:  # the stop token is not part of the answer
+                ids.pop()
+            completion = str(self.tokenizer.decode(ids, skip_special_tokens=False))
+            try:
+                value = float(self.reward_fn(str(row[self.config.prompt_field]), completion, row))
+                if value != value or value in (float("inf"), float("-inf")):
+                    raise ValueError(f"reward function returned {value}")
+                out[i] = value
+            except Exception:
+                valid[i] = False
+                self.failed += 1
+                if self.first_failure is None:
+                    self.first_failure = traceback.format_exc()
+                    self.log.error("reward function failed on prompt %s:\n%s", pid, self.first_failure)
+        return out, valid
+
+    def advantages(self, rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if cfg.advantage == "grpo":
+            return adv.grpo(rewards, groups, valid, scale=cfg.normalize_std)
+        if cfg.advantage == "dr_grpo":
+            return adv.dr_grpo(rewards, groups, valid)
+        if cfg.advantage == "rloo":
+            return adv.rloo(rewards, groups, valid)
+        return adv.reinforce_pp(rewards, valid)
+
+    # ---------------------------------------------------------------------------------------------------
+    # evaluation
+
+    async def submit_eval(self, version: int) -> None:
+        prompts: list[torch.Tensor] = []
+        meta: list[Meta] = []
+        for index, row in enumerate(self.eval_rows):
+            tokens = self.encode(row)
+            for k in range(1 + self.config.eval_samples):
+                prompts.append(tokens)
+                meta.append({"eval_version": version, "greedy": k == 0, "prompt_id": index})
+        self.eval_pending[version] = len(prompts)
+        self.eval_results[version] = []
+        await self.client.put(EVAL, {"prompt": prompts}, meta=meta, timeout=3600)
+
+    async def collect_eval(self) -> None:
+        while True:
+            batch = await self.client.claim(EVAL, "rollout", ["prompt", "response"], 4096, timeout=POLL_S)
+            if not batch:
+                continue
+            rewards, valid = self.rewards(batch, self.eval_rows)
+            for version, greedy, r, ok in zip(
+                batch.meta_of("eval_version"),
+                batch.meta_of("greedy"),
+                rewards.tolist(),
+                valid.tolist(),
+                strict=True,
+            ):
+                self.eval_results[version].append((bool(greedy), r if ok else 0.0))
+                self.eval_pending[version] -= 1
+            await self.client.ack(batch)
+            await self.client.delete(EVAL, batch.ids)
+            for version in [v for v, left in self.eval_pending.items() if left == 0]:
+                del self.eval_pending[version]
+                self.record_eval(version, self.eval_results.pop(version))
+
+    def record_eval(self, version: int, results: list[tuple[bool, float]]) -> None:
+        greedy = [r for g, r in results if g]
+        sampled = [r for g, r in results if not g]
+        row = {
+            "version": version,
+            "greedy_accuracy": sum(greedy) / max(1, len(greedy)),
+            "sampled_accuracy": sum(sampled) / max(1, len(sampled)),
+            "prompts": len(greedy),
+            "time": time.time(),
+        }
+        self.log.info("eval at version %d: %s", version, row)
+        with open(self.ctx.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def load_rows(cfg: RolloutConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train rows, eval rows) from a built-in task or local files; checks the prompt field is there."""
+    if cfg.dataset in BUILTIN_TASKS:
+        task = importlib.import_module(BUILTIN_TASKS[cfg.dataset])
+        train, held_out = task.split()
+    else:
+        train, held_out = _read(cfg.dataset), []
+    if cfg.eval_dataset is not None:
+        held_out = _read(cfg.eval_dataset) if cfg.eval_dataset not in BUILTIN_TASKS else held_out
+    for name, rows in (("dataset", train), ("eval_dataset", held_out)):
+        if rows and cfg.prompt_field not in rows[0]:
+            raise ValueError(
+                f"rollout.{name}: rows have no field {cfg.prompt_field!r} (fields: {sorted(rows[0])}); "
+                "set rollout.prompt_field"
+            )
+    if not train:
+        raise ValueError(f"rollout.dataset: {cfg.dataset!r} has no rows")
+    return train, held_out
+
+
+def _read(path: str) -> list[dict[str, Any]]:
+    from datasets import load_dataset
+
+    kind = "parquet" if path.endswith(".parquet") else "json"
+    ds = load_dataset(kind, data_files=str(Path(path).resolve()), split="train")
+    return [dict(r) for r in ds]

@@ -1,0 +1,1 @@
+"""Training: claims scored groups, updates the policy, publishes weights, opens the gate."""

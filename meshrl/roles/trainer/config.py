@@ -1,0 +1,132 @@
+"""Configuration of the training service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.roles import GATE, SAMPLES
+
+if TYPE_CHECKING:
+    from meshrl.recipe import Recipe, ServiceGroup
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+SCHEDULES = ("constant", "linear", "cosine")
+POLICY_LOSSES = ("ppo", "gspo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig(ServiceConfig):
+    service = "meshrl.roles.trainer.service:TrainerService"
+
+    model: str
+    """Local path of the initial policy."""
+    loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to AutoModelForCausalLM.from_pretrained."""
+    prompts_per_step: int = 16
+    """Must equal the rollout's."""
+    group_size: int = 8
+    """Must equal the rollout's."""
+    temperature: float = 1.0
+    """Sampling temperature of the inference service: logprobs are taken under logits / temperature."""
+    lr: float = 1e-5
+    schedule: str = "constant"
+    """Learning-rate schedule after warm-up: constant, linear (to 0 at the last step) or cosine."""
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    """Max global grad norm (0 disables clipping)."""
+    mini_batches: int = 1
+    """Optimizer steps per training step, each on an equal share of the step's rows (PPO-style
+    mini-batches; the later ones are slightly off-policy, which the clipped ratio accounts for)."""
+    micro_batch: int = 32
+    """Rows per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-mean or seq-mean-token-sum (normalised over the whole step)."""
+    policy_loss: str = "ppo"
+    """ppo (clipped ratio per token) or gspo (sequence-level ratio)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    """Upper clip of the ratio; larger than clip_low is DAPO's clip-higher."""
+    dual_clip: float | None = None
+    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens."""
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss term (needs a reference service writing ref_logprobs)."""
+    kl_estimator: str = "k3"
+    inference: tuple[str, ...] = ("inference",)
+    """Group ids of the inference services that receive each new weight version."""
+    bucket_mb: int = 64
+    """Weight broadcast bucket size."""
+    max_nan_steps: int = 3
+    """Consecutive steps with a non-finite loss or gradient after which the run stops."""
+    save_final: bool = True
+    """Save a Hugging Face checkpoint in <run_dir>/final at the end."""
+    threads: int = 0
+    """torch threads of each trainer process (0: leave the default)."""
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", "must be > 0")
+        require(self.schedule in SCHEDULES, "schedule", f"{self.schedule!r} is not one of {SCHEDULES}")
+        require(self.loss_agg in AGGREGATIONS, "loss_agg", f"{self.loss_agg!r} is not one of {AGGREGATIONS}")
+        require(
+            self.policy_loss in POLICY_LOSSES, "policy_loss", f"{self.policy_loss!r} not in {POLICY_LOSSES}"
+        )
+        require(self.micro_batch >= 1, "micro_batch", "must be >= 1")
+        require(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
+        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "must be > 1 (or None)")
+        require(self.kl_coef >= 0 and self.entropy_coef >= 0, "kl_coef", "coefficients must be >= 0")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def columns(self) -> tuple[str, ...]:
+        cols = ("prompt", "response", "logprobs", "reward", "advantage", "valid", "gen_s", "gen_batch")
+        return cols + (("ref_logprobs",) if self.kl_coef > 0 else ())
+
+    def reads(self) -> Columns:
+        return {SAMPLES: self.columns()}
+
+    def writes(self) -> Columns:
+        return {GATE: ("version",)}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        from meshrl.roles.inference.config import InferenceConfig
+        from meshrl.roles.rollout.config import RolloutConfig
+
+        problems = []
+        if not Path(self.model).exists():
+            problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
+        if group.replicas != 1:
+            problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
+        world = max(1, group.devices_per_replica)
+        if self.prompts_per_step % world:
+            problems.append(
+                f"prompts_per_step: {self.prompts_per_step} must divide among {world} trainer ranks"
+            )
+        groups = {g.id: g for g in recipe.groups}
+        for gid in self.inference:
+            g = groups.get(gid)
+            if g is None or not isinstance(g.config, InferenceConfig):
+                problems.append(f"inference: {gid!r} is not an inference group of this recipe")
+            elif g.config.temperature != self.temperature:
+                problems.append(
+                    f"temperature: {self.temperature} differs from {gid}.temperature {g.config.temperature}; "
+                    "logprobs would not match the sampling distribution"
+                )
+        for g in recipe.groups:
+            if isinstance(g.config, RolloutConfig) and (g.config.prompts_per_step, g.config.group_size) != (
+                self.prompts_per_step,
+                self.group_size,
+            ):
+                problems.append(
+                    f"prompts_per_step/group_size: ({self.prompts_per_step}, {self.group_size}) differ from "
+                    f"{g.id}'s ({g.config.prompts_per_step}, {g.config.group_size})"
+                )
+        return problems

@@ -1,0 +1,1 @@
+"""Tasks with programmatic rewards: prompts, reference answers and a scoring function per task."""

@@ -1,0 +1,58 @@
+"""GRPO on single-digit addition with a tiny model, synchronous (lock-step): the main CPU job.
+
+    make run                                   # builds the model, warm-starts it, runs this recipe
+    meshrl run recipes/grpo_arith.py *.model=runs/arith-sft total_steps=50 trainer.lr=5e-4
+
+Three services on CPU: inference (1 device slot), trainer (1 device slot), rollout (no device).
+"""
+
+from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.roles.inference.config import InferenceConfig
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.trainer.config import TrainerConfig
+
+MODEL = "runs/arith-sft"  # made by `make run` (meshrl demo); override with *.model=PATH
+PROMPTS, GROUP, TEMPERATURE = 16, 8, 1.0
+
+
+def recipe() -> Recipe:
+    return Recipe(
+        name="grpo_arith",
+        total_steps=100,
+        seed=0,
+        groups=(
+            ServiceGroup(
+                id="rollout",
+                config=RolloutConfig(
+                    model=MODEL,
+                    dataset="arith",
+                    reward="meshrl.tasks.arith:reward",
+                    prompts_per_step=PROMPTS,
+                    group_size=GROUP,
+                    window=1,
+                    eval_every=25,
+                    eval_samples=4,
+                ),
+            ),
+            ServiceGroup(
+                id="inference",
+                config=InferenceConfig(model=MODEL, temperature=TEMPERATURE, max_new_tokens=4, threads=2),
+                devices_per_replica=1,
+            ),
+            ServiceGroup(
+                id="trainer",
+                config=TrainerConfig(
+                    model=MODEL,
+                    prompts_per_step=PROMPTS,
+                    group_size=GROUP,
+                    temperature=TEMPERATURE,
+                    lr=5e-4,
+                    warmup_steps=5,
+                    mini_batches=2,
+                    micro_batch=64,
+                    threads=2,
+                ),
+                devices_per_replica=1,
+            ),
+        ),
+    )
