@@ -4,10 +4,11 @@ Trainer rank 0 is rank 0 of the group; inference replicas are ranks 1..N, in pla
 standalone torch.distributed process group (gloo on CPU, NCCL on GPU) with its own TCPStore on the
 trainer's weight port, so it lives beside the trainer's FSDP group without touching it.
 
-One publication: a header (version, manifest length), a JSON manifest (name, shape, dtype, bucket,
-offset per tensor), then the tensors packed into byte buckets of at most `bucket_bytes` each, so memory
+One publication: a header (version, manifest length, and the JSON manifest of names, shapes, dtypes and
+bucket sizes when it fits in 16 KiB), then the tensors packed into byte buckets of at most `bucket_bytes` each, so memory
 stays bounded whatever the model size. A final barrier tells the trainer that every replica has
-applied the version before it opens the gate. Receivers sit in `wait()` on a thread of their own, so a
+applied the version before it opens the gate. Receivers sit in `wait()` on a thread of their own, so
+a publication starts the moment the trainer sends it; `close()` releases them at the end of training. Receivers sit in `wait()` on a thread of their own, so a
 publication starts the moment the trainer sends it: no announcement, no polling.
 """
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
 
 Manifest = list[tuple[str, tuple[int, ...], str]]
+HEADER_BYTES = 16 << 10  # version, manifest length, and the manifest when it fits
 
 
 class WeightGroup:
@@ -69,8 +71,10 @@ class WeightGroup:
         assert self.rank == 0
         plan = _buckets(manifest, bucket_bytes)
         meta = json.dumps({"tensors": manifest, "buckets": [b[0] for b in plan]}).encode()
-        self._broadcast(torch.tensor([version, len(meta)], dtype=torch.int64, device=self.device))
-        self._broadcast(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device))
+        self._broadcast(_header(version, meta).to(self.device))
+        if len(meta) > HEADER_BYTES - 16:  # big manifests take a second broadcast
+            rest = bytearray(meta[HEADER_BYTES - 16 :])
+            self._broadcast(torch.frombuffer(rest, dtype=torch.uint8).to(self.device))
         sent = 0
         for size, members in plan:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -90,24 +94,34 @@ class WeightGroup:
         self._barrier()
         return sent
 
-    def wait(self) -> tuple[int, int]:
+    def close(self) -> None:
+        """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1)."""
+        assert self.rank == 0
+        self._broadcast(_header(-1, b"").to(self.device))
+
+    def wait(self) -> tuple[int, bytes]:
         """Ranks 1..N: block until the next publication starts. Returns its header for `receive`."""
-        head = torch.zeros(2, dtype=torch.int64, device=self.device)
+        head = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.device)
         self._broadcast(head)
-        return int(head[0]), int(head[1])
+        data = head.cpu().numpy().tobytes()
+        version, length = torch.frombuffer(bytearray(data[:16]), dtype=torch.int64).tolist()
+        meta = data[16 : 16 + min(length, HEADER_BYTES - 16)]
+        if length > len(meta):
+            rest = torch.empty(length - len(meta), dtype=torch.uint8, device=self.device)
+            self._broadcast(rest)
+            meta += rest.cpu().numpy().tobytes()
+        return int(version), meta
 
     def receive(
-        self, header: tuple[int, int], apply: Callable[[list[tuple[str, torch.Tensor]]], None]
+        self, header: tuple[int, bytes], apply: Callable[[list[tuple[str, torch.Tensor]]], None]
     ) -> int:
         """Ranks 1..N: the rest of the publication `wait` announced, calling `apply` once per bucket.
 
         Returns the version. Split from `wait` so a receiver can block for the next version without
         holding anything, then take its engine's lock only while weights actually change.
         """
-        version, length = header
-        raw = torch.empty(length, dtype=torch.uint8, device=self.device)
-        self._broadcast(raw)
-        meta = json.loads(bytes(raw.cpu().tolist()))
+        version, raw_meta = header
+        meta = json.loads(raw_meta)
         manifest: Manifest = [(n, tuple(s), d) for n, s, d in meta["tensors"]]
         index = 0
         for size in meta["buckets"]:
@@ -123,6 +137,15 @@ class WeightGroup:
             apply(named)
         self._barrier()
         return version
+
+
+def _header(version: int, meta: bytes) -> torch.Tensor:
+    head = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    head[:16] = torch.tensor([version, len(meta)], dtype=torch.int64).view(torch.uint8)
+    inline = meta[: HEADER_BYTES - 16]
+    if inline:
+        head[16 : 16 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+    return head
 
 
 def _nbytes(shape: Iterable[int], dtype: str) -> int:

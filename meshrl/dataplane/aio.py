@@ -126,10 +126,13 @@ class AsyncClient:
                 fetched.update(zip(runs, await self._read_storage(host, P.Read(ranges)), strict=True))
         return self.core.build_batch(partition, consumer, reply, fetched)
 
-    async def ack(self, batch: Batch) -> int:
+    async def ack(self, batch: Batch, ids: Sequence[int] | np.ndarray | None = None) -> int:
+        """Mark a claim consumed (or only the rows `ids` of it; the others stay leased)."""
         if not batch.claim:
             return 0
-        return int((await self._call(P.Ack(batch.partition, batch.consumer, batch.claim), self.timeout)).n)
+        subset = None if ids is None else np.asarray(ids, dtype="<i8").tobytes()
+        msg = P.Ack(batch.partition, batch.consumer, batch.claim, ids=subset)
+        return int((await self._call(msg, self.timeout)).n)
 
     async def renew(self, batch: Batch, lease: float) -> None:
         await self._call(P.Renew(batch.partition, batch.consumer, batch.claim, lease), self.timeout)

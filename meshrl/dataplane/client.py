@@ -503,17 +503,22 @@ class Client:
             fetched.update(zip(runs, buffers, strict=True))
         return fetched
 
-    def ack(self, batch: Batch, *, wait: bool = True) -> int:
-        """Mark a claim consumed. Raises `LeaseExpired` if its lease ran out first.
+    def ack(self, batch: Batch, ids: Sequence[int] | np.ndarray | None = None, *, wait: bool = True) -> int:
+        """Mark a claim consumed (or only the rows `ids` of it; the others stay leased).
 
-        With `wait=False` the ack is sent without waiting; a failure is raised by a later call.
+        Raises `LeaseExpired` if its lease ran out first. With `wait=False` the ack is sent without
+        waiting; a failure is raised by a later call.
         """
         if not batch.claim:
             return 0
+        subset = None if ids is None else np.asarray(ids, dtype="<i8").tobytes()
         if wait:
-            return int(self._call(P.Ack(batch.partition, batch.consumer, batch.claim), self.timeout).n)
-        self._unconfirmed.append(self._send(P.Ack(batch.partition, batch.consumer, batch.claim, reply=False)))
-        return len(batch)
+            return int(
+                self._call(P.Ack(batch.partition, batch.consumer, batch.claim, ids=subset), self.timeout).n
+            )
+        msg = P.Ack(batch.partition, batch.consumer, batch.claim, reply=False, ids=subset)
+        self._unconfirmed.append(self._send(msg))
+        return len(batch) if ids is None else len(ids)
 
     def release(self, batch: Batch) -> None:
         """Give a claim's rows back unprocessed: they are the next ones this consumer name gets."""

@@ -180,7 +180,7 @@ class Controller:
         if isinstance(msg, P.Ack):
             part = self._partition(msg.partition)
             c = self._consumer_of(part, msg.consumer)
-            n, due = part.ack(c, msg.claim)
+            n, due = part.ack(c, msg.claim, None if msg.ids is None else P.int64s(msg.ids, "ids"))
             if len(due):
                 self._delete(part, due)
             return P.Ok(n) if msg.reply else None

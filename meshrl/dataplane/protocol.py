@@ -128,6 +128,7 @@ class Ack(msgspec.Struct, tag="ack", frozen=True):
     consumer: str
     claim: int
     reply: bool = True  # False: answer only on error (fire-and-forget acks of streaming consumers)
+    ids: bytes | None = None  # only these rows of the claim (the others stay leased)
 
 
 class Release(msgspec.Struct, tag="release", frozen=True):

@@ -377,16 +377,39 @@ class Partition:
                 back += len(chunk.ids)
         return back
 
-    def ack(self, c: Consumer, claim_id: int) -> tuple[int, np.ndarray]:
-        """Mark a lease's rows consumed. Returns (rows acked, slots now due for deletion)."""
-        lease = c.leases.pop(claim_id, None)
+    def ack(self, c: Consumer, claim_id: int, ids: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """Mark a lease's rows consumed: all of them, or only `ids` (the rest stay leased).
+
+        Returns (rows acked, slots now due for deletion by the retention rule).
+        """
+        lease = c.leases.get(claim_id)
         if lease is None:
             raise TableError(
                 "expired",
                 f"claim {claim_id} of consumer {c.name!r} is unknown or its lease expired; "
                 "its rows went back to the pool",
             )
-        slots = np.concatenate([chunk.slots[self._alive(chunk, c, CLAIMED)] for chunk in lease.chunks])
+        if ids is None:
+            del c.leases[claim_id]
+            done_chunks = lease.chunks
+        else:
+            wanted = set(ids.tolist())
+            leased = {int(i) for chunk in lease.chunks for i in chunk.ids.tolist()}
+            if not wanted <= leased:
+                raise TableError(
+                    "bad_request", f"rows {sorted(wanted - leased)[:5]} are not in claim {claim_id}"
+                )
+            done_chunks, keep = [], []
+            for chunk in lease.chunks:
+                hit = np.isin(chunk.ids, ids)
+                done_chunks.append(Chunk(chunk.ids[hit], chunk.slots[hit]))
+                if not hit.all():
+                    keep.append(Chunk(chunk.ids[~hit], chunk.slots[~hit]))
+            if keep:
+                lease.chunks = keep
+            else:
+                del c.leases[claim_id]
+        slots = np.concatenate([chunk.slots[self._alive(chunk, c, CLAIMED)] for chunk in done_chunks])
         c.state[slots] = ACKED
         if not self.delete_when_acked_by:
             return len(slots), slots[:0]

@@ -1,9 +1,14 @@
-"""The inference service: turn prompt rows into completions with the latest published weights.
+"""The inference service: turn prompt rows into completions with the weights each row asks for.
 
 Two claims are kept in flight on one asyncio client, training prompts (`samples`) and held-out prompts
-(`eval`); replicas share the work under the consumer name "inference". New weights arrive on a thread
-that waits in the weight group's broadcast; it takes the engine's lock while it loads them, so a batch
-is generated entirely with one version, and every completion records that version.
+(`eval`); replicas share the work under the consumer name "inference". Every prompt row carries
+`min_version` in its metadata, the oldest weight version it may be generated with: this is where the
+rollout's pacing window is enforced. Rows whose version has not been published yet stay claimed (their
+lease renewed) and are generated the moment it arrives; the others are generated at once. Rows are
+acknowledged as they are done, so part of a claim can finish before the rest.
+
+New weights arrive on a thread that waits in the weight group's broadcast; it takes the engine's lock
+while it loads them, so a batch is generated entirely with one version, which every completion records.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,7 +31,17 @@ from meshrl.service import Service
 from meshrl.weights import WeightGroup
 
 POLL_S = 1.0
-LEASE_S = 300.0  # a replica that dies mid-batch gives its prompts back after this long
+LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
+
+
+@dataclass
+class Waiting:
+    """Rows of a claim that need a newer weight version than this replica has."""
+
+    kind: str
+    batch: Batch
+    rows: list[int]
+    renewed: float = field(default_factory=time.monotonic)
 
 
 class InferenceService(Service):
@@ -50,6 +66,9 @@ class InferenceService(Service):
         self.generated = 0
         self.lock = threading.Lock()
         self.receiver_error: BaseException | None = None
+        self.waiting: list[Waiting] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.new_version: asyncio.Event | None = None
         threading.Thread(target=self.receive_weights, name="weights", daemon=True).start()
 
     @property
@@ -74,29 +93,34 @@ class InferenceService(Service):
 
     async def serve(self) -> None:
         cfg = self.config
+        self.loop = asyncio.get_running_loop()
+        self.new_version = asyncio.Event()
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
         pending = {
             kind: asyncio.create_task(self.claim(client, kind, cfg.max_batch)) for kind in (EVAL, SAMPLES)
         }
+        version_task: asyncio.Task[Any] = asyncio.create_task(self.new_version.wait())
         try:
             while not self.finished():
                 if self.receiver_error is not None:
                     raise RuntimeError("weight receiver failed") from self.receiver_error
-                await asyncio.wait(pending.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [*pending.values(), version_task], timeout=POLL_S, return_when="FIRST_COMPLETED"
+                )
+                if version_task.done():
+                    self.new_version.clear()
+                    version_task = asyncio.create_task(self.new_version.wait())
+                await self.serve_waiting(client)
                 for kind, task in list(pending.items()):
-                    if not task.done():
-                        continue
-                    batch = task.result()
-                    if batch:
-                        with self.lock:
-                            columns = self.generate(batch, eval_rows=kind == EVAL)
-                        await client.put(kind, columns, ids=batch.ids)
-                        await client.ack(batch)
-                    pending[kind] = asyncio.create_task(self.claim(client, kind, cfg.max_batch))
+                    if task.done():
+                        batch = task.result()
+                        if batch:
+                            await self.serve_rows(client, Waiting(kind, batch, list(range(len(batch)))))
+                        pending[kind] = asyncio.create_task(self.claim(client, kind, cfg.max_batch))
         finally:
-            for task in pending.values():
+            for task in [*pending.values(), version_task]:
                 task.cancel()
-            for task in pending.values():
+            for task in [*pending.values(), version_task]:
                 with contextlib.suppress(BaseException):
                     await task
             await client.close()
@@ -105,28 +129,60 @@ class InferenceService(Service):
     async def claim(client: AsyncClient, kind: str, n: int) -> Batch:
         return await client.claim(kind, "inference", ["prompt"], n, timeout=POLL_S, lease=LEASE_S)
 
+    async def serve_rows(self, client: AsyncClient, work: Waiting) -> None:
+        """Generate the rows the current version may serve; park the others."""
+        needs = work.batch.meta_of("min_version", 0)
+        version = self.engine.version
+        ready = [i for i in work.rows if int(needs[i] or 0) <= version]
+        later = [i for i in work.rows if int(needs[i] or 0) > version]
+        if ready:
+            with self.lock:
+                columns = self.generate(work.batch, ready, eval_rows=work.kind == EVAL)
+            ids = work.batch.ids[ready]
+            await client.put(work.kind, columns, ids=ids)
+            await client.ack(work.batch, None if not later and len(ready) == len(work.batch) else ids)
+        if later:
+            work.rows = later
+            self.waiting.append(work)
+
+    async def serve_waiting(self, client: AsyncClient) -> None:
+        waiting, self.waiting = self.waiting, []
+        for work in waiting:
+            await self.serve_rows(client, work)
+        now = time.monotonic()
+        for work in self.waiting:  # still waiting: keep the rows ours
+            if now - work.renewed > LEASE_S / 3:
+                await client.renew(work.batch, LEASE_S)
+                work.renewed = now
+
     def receive_weights(self) -> None:
         """Thread: wait for each publication, then load it under the engine lock."""
         try:
             while True:
                 header = self.weights.wait()
+                if header[0] < 0:  # the trainer is done publishing
+                    return
                 t0 = time.perf_counter()
                 with self.lock:
                     version = self.weights.receive(header, self.engine.load_weights)
                     self.engine.set_version(version)
                 self.ctx.health.info["version"] = version
+                if self.loop is not None and self.new_version is not None:
+                    self.loop.call_soon_threadsafe(self.new_version.set)
                 self.log.info("weights version %d applied in %.3fs", version, time.perf_counter() - t0)
         except BaseException as e:  # surfaced by the main loop
             self.receiver_error = e
 
-    def generate(self, batch: Batch, *, eval_rows: bool) -> dict[str, Any]:
+    def generate(self, batch: Batch, rows: list[int], *, eval_rows: bool) -> dict[str, Any]:
         cfg = self.config
-        prompts = [t.tolist() for t in batch.ragged("prompt")]
-        greedy = batch.meta_of("greedy", False) if eval_rows else [False] * len(prompts)
+        all_prompts = batch.ragged("prompt")
+        prompts = [all_prompts[i].tolist() for i in rows]
+        flags = batch.meta_of("greedy", False)
+        greedy = [bool(flags[i]) if eval_rows else False for i in rows]
         out: list[Any] = [None] * len(prompts)
         t0 = time.perf_counter()
         for mode in (False, True):
-            index = [i for i, g in enumerate(greedy) if bool(g) == mode]
+            index = [i for i, g in enumerate(greedy) if g == mode]
             if not index:
                 continue
             params = SamplingParams(

@@ -2,8 +2,9 @@
 
 Four asyncio tasks share one data-plane client:
 - gates: reads the trainer's gate rows (this replica's own consumer name) and counts them;
-- feed: writes `group_size` rows per prompt into `samples`, never more than the pacing window allows:
-  after g gate rows at most (g - 1 + window) * batch_size samples are started (window None: no wait);
+- feed: writes `group_size` rows per prompt into `samples`, one batch ahead of the pacing window, each
+  row tagged with the oldest weight version it may be generated with, so that after g gate rows at
+  most (g - 1 + window) * batch_size samples have started (window None: no limit); inference enforces it;
 - score: claims whole groups that inference completed, calls the reward function on each completion,
   computes group advantages and writes `reward`, `advantage`, `valid` back into the same rows;
 - evaluate: at version 0, every `eval_every` versions and at the final version, writes the held-out
@@ -127,15 +128,24 @@ class RolloutService(Service):
             self.changed.set()
 
     def allowed(self) -> int:
+        """Samples that may have started generating after the gates seen so far."""
         window = self.config.window
         if window is None:
             return self.total
         return min(self.total, max(0, self.gates - 1 + window) * self.config.batch_size)
 
+    def min_version(self, sample: int) -> int:
+        """Oldest weight version sample number `sample` may be generated with (enforced by inference)."""
+        window = self.config.window
+        return 0 if window is None else max(0, sample // self.config.batch_size - window + 1)
+
     async def feed(self) -> None:
+        """Write prompts one batch ahead of what the gates allow, each row tagged with its min_version:
+        inference starts a row the moment its weight version lands, with no round trip through here."""
         cfg = self.config
+        ahead = 0 if cfg.window is None else cfg.batch_size
         while self.started < self.total:
-            room = self.allowed() - self.started
+            room = min(self.total, self.allowed() + ahead) - self.started
             if room < cfg.group_size:
                 self.changed.clear()
                 await self.changed.wait()
@@ -146,8 +156,11 @@ class RolloutService(Service):
             while len(rows) < prompts * cfg.group_size:
                 index, tokens = self.next_prompt()
                 self.group_seq += 1
+                need = self.min_version(self.started + len(rows))
                 rows += [tokens] * cfg.group_size
-                meta += [{"group": self.group_seq, "prompt_id": index, "epoch": self.epoch}] * cfg.group_size
+                meta += [
+                    {"group": self.group_seq, "prompt_id": index, "epoch": self.epoch, "min_version": need}
+                ] * cfg.group_size
             await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600)
             self.started += len(rows)
 
@@ -253,7 +266,9 @@ class RolloutService(Service):
             tokens = self.encode(row)
             for k in range(1 + self.config.eval_samples):
                 prompts.append(tokens)
-                meta.append({"eval_version": version, "greedy": k == 0, "prompt_id": index})
+                meta.append(
+                    {"eval_version": version, "greedy": k == 0, "prompt_id": index, "min_version": version}
+                )
         self.eval_pending[version] = len(prompts)
         self.eval_results[version] = []
         await self.client.put(EVAL, {"prompt": prompts}, meta=meta, timeout=3600)

@@ -99,6 +99,8 @@ class TrainerService(Service):
             )
             last_gate = now
             self.ctx.health.info.update(step=step + 1, version=self.version)
+        if self.weights is not None:
+            self.weights.close()
         if self.config.save_final:
             self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=self.config.model)
         while not self.finished():  # rollout ends the run once its last evaluation is in

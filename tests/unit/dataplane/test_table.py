@@ -171,3 +171,17 @@ def test_consumer_declaration_is_fixed() -> None:
         part.consumer("t", ["x", "y"], None)
     with pytest.raises(TableError, match="group_size"):
         part.consumer("u", ["x"], 0)
+
+
+def test_partial_ack_keeps_the_rest_leased() -> None:
+    part = Partition("p", 8, ["t"])
+    ids, _ = part.put(0, SEG, 4, [write("x", 4)], None, None, 0)
+    c = part.consumer("t", ["x"], None)
+    chunk = part.claim(c, 4, 60.0, 1)
+    assert chunk is not None
+    n, due = part.ack(c, 1, ids[:2])
+    assert n == 2 and sorted(part.row_id[due].tolist()) == ids[:2].tolist()
+    with pytest.raises(TableError, match="not in claim"):
+        part.ack(c, 1, ids[:1])
+    assert part.expire(c, 1) == 2  # only the un-acked rows come back
+    assert part.claim(c, 4, 60.0, 2).ids.tolist() == ids[2:].tolist()  # type: ignore[union-attr]

@@ -1,0 +1,147 @@
+"""End-to-end CPU benchmark: a real run of a recipe through `meshrl run`, measured from the outside.
+
+    python benchmarks/e2e_cpu.py --json                      # recipes/grpo_arith.py, 40 steps
+    python benchmarks/e2e_cpu.py --steps 100 --prompts 64 --json
+
+Builds the tiny model and its supervised warm start (as `make run` does), runs the recipe as separate
+processes, samples the resident memory of the whole process tree every 0.2 s, and reads the trainer's
+metrics.jsonl. Steady state excludes the first `--warmup` steps.
+
+- samples_per_s: samples trained per second of steady-state wall time;
+- median_step_s: median time between gate rows;
+- startup_s: from the command to every service ready (printed by the launcher);
+- reward_first10 / reward_last10: mean reward of the first and last 10 steps;
+- peak_rss_mb: peak of the summed RSS of every process of the run (shared pages counted per process;
+  peak_pss_mb counts them once);
+- overhead_fraction: share of steady-state step time outside generation, forward/backward and
+  optimizer steps (queue traffic, weight sync, waiting, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build_models(root: Path, sft_steps: int) -> Path:
+    import torch
+
+    from meshrl.models.tiny import build_tiny_model
+    from meshrl.sft import SFTConfig, train
+
+    torch.set_num_threads(2)
+    base = build_tiny_model(root / "base")
+    train(SFTConfig(model=str(base), out=str(root / "sft"), steps=sft_steps))
+    return root / "sft"
+
+
+class MemoryWatch:
+    """Peak summed RSS / PSS of a process and all its descendants."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.peak_rss = self.peak_pss = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            rss = pss = 0
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for p in procs:
+                try:
+                    info = p.memory_full_info()
+                    rss += info.rss
+                    pss += getattr(info, "pss", info.rss)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
+            self.done.wait(0.2)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def run(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, object]:
+    overrides = [f"*.model={model}", f"run_dir={run_dir}", f"total_steps={args.steps}"]
+    if args.window != "1":
+        overrides.append(f"rollout.window={args.window}")
+    if args.prompts:
+        overrides += [f"rollout.prompts_per_step={args.prompts}", f"trainer.prompts_per_step={args.prompts}"]
+    overrides += args.set
+    cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / "recipes" / f"{args.recipe}.py"), *overrides]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent)
+    watch = MemoryWatch(proc.pid)
+    out, err = proc.communicate()
+    watch.stop()
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({proc.returncode}):\n{err[-4000:]}")
+    ready = re.search(r"service processes ready in ([0-9.]+)s", out)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steady = metrics[args.warmup :]
+    step_s = sum(m["time/step_s"] for m in steady)
+    compute = sum(m["time/generate_s"] + m["time/forward_backward_s"] + m["time/optimizer_s"] for m in steady)
+    samples = sum(m["samples_per_s"] * m["time/step_s"] for m in steady)
+    rewards = [m["reward_mean"] for m in metrics]
+    return {
+        "samples_per_s": round(samples / step_s, 1),
+        "median_step_s": round(statistics.median(m["time/step_s"] for m in steady), 4),
+        "startup_s": float(ready.group(1)) if ready else None,
+        "reward_first10": round(sum(rewards[:10]) / len(rewards[:10]), 4),
+        "reward_last10": round(sum(rewards[-10:]) / len(rewards[-10:]), 4),
+        "peak_rss_mb": round(watch.peak_rss / 2**20, 1),
+        "peak_pss_mb": round(watch.peak_pss / 2**20, 1),
+        "overhead_fraction": round(max(0.0, 1.0 - compute / step_s), 4),
+        "time_split_s": {
+            k: round(statistics.median(m[f"time/{k}_s"] for m in steady), 4)
+            for k in ("generate", "forward_backward", "optimizer", "sync", "wait")
+        },
+        "steps": len(metrics),
+        "wall_s": round(wall, 1),
+        "recipe": args.recipe,
+        "window": args.window,
+        "prompts_per_step": args.prompts or "recipe default",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--recipe", default="grpo_arith", help="a recipe under recipes/ (without .py)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
+    ap.add_argument("--window", default="1", help="rollout pacing window: 1, k, or None")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's)")
+    ap.add_argument("--sft-steps", type=int, default=60)
+    ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshrl-e2e-") as tmp:
+        root = Path(tmp)
+        model = build_models(root / "models", args.sft_steps)
+        os.makedirs(root / "work", exist_ok=True)
+        result = run(args, model, root / "work" / "run")
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
