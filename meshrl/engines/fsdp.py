@@ -3,7 +3,8 @@
 One engine, many algorithms: `update_policy(batch, cfg)` runs the step the config describes (PPO clip or
 GSPO, token or sequence aggregation, entropy bonus, KL to a reference), with gradient accumulation over
 micro-batches and loss normalisation over the whole step across every data-parallel rank. It works on
-CPU (gloo) and GPU (NCCL); with one rank it is plain data-parallel-of-one training.
+CPU (gloo) and GPU (NCCL). With one rank the model is not wrapped at all (FSDP's hooks would be pure
+overhead) and AdamW runs fused.
 
 `get_weights()` yields full (unsharded) tensors in `manifest()` order; every rank must iterate it (the
 gather is collective) and only rank 0 keeps what it yields.
@@ -135,7 +136,7 @@ class FSDPEngine:
         model.config.use_cache = False
         self.hf_config = model.config
         model.to(device)
-        if dist.is_initialized():
+        if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
             for layer in _decoder_layers(model):
                 fully_shard(layer, mesh=mesh)
@@ -144,7 +145,12 @@ class FSDPEngine:
         self.model.train()
         self.optim_cfg = optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, eps=1e-8
+            model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            eps=1e-8,
+            **({"fused": True} if self.world == 1 else {"foreach": True}),
         )
         self.steps = 0
         self._set_lr()
