@@ -1,7 +1,7 @@
 """GRPO on single-digit addition with a tiny model, synchronous (lock-step): the main CPU job.
 
     make run                                   # builds the model, warm-starts it, runs this recipe
-    meshrl run recipes/grpo_arith.py *.model=runs/arith-sft total_steps=50 trainer.lr=5e-4
+    meshrl run recipes/grpo_arith.py *.model=runs/arith-sft total_steps=50 trainer.lr=3e-4
 
 Three services on CPU: inference (1 device slot), trainer (1 device slot), rollout (no device).
 """
@@ -46,10 +46,10 @@ def recipe() -> Recipe:
                     prompts_per_step=PROMPTS,
                     group_size=GROUP,
                     temperature=TEMPERATURE,
-                    lr=5e-4,
+                    lr=3e-4,
                     warmup_steps=5,
-                    mini_batches=2,
-                    micro_batch=64,
+                    mini_batches=4,
+                    micro_batch=32,
                     threads=2,
                 ),
                 devices_per_replica=1,
