@@ -89,7 +89,9 @@ def run(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, objec
     overrides += args.set
     cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / "recipes" / f"{args.recipe}.py"), *overrides]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent
+    )
     watch = MemoryWatch(proc.pid)
     out, err = proc.communicate()
     watch.stop()
