@@ -197,9 +197,26 @@ def ppo_clip(
     clip count as high), clip_fraction their sum; ratio_mean, ratio_max; approx_kl, the k3 estimate of
     KL(old || new) = mean(exp(new - old) - 1 - (new - old)).
     """
+    m = mask.bool()
+    per_token, ratio, low, high, log_ratio = _ppo_tokens(
+        logprobs, old_logprobs, advantages, m, clip_low, clip_high, dual_clip
+    )
+    loss = aggregate(per_token, m, aggregation, normalizer)
+    return PolicyLoss(loss, _metrics(ratio, low, high, log_ratio, m))
+
+
+def _ppo_tokens(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    m: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Per-token PPO loss [B, T] and (ratio, clipped-low, clipped-high, log-ratio) for the metrics."""
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    m = mask.bool()
     # zero masked log-ratios before exp: exp(huge) is inf, and inf * 0 in backward is nan
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)
     ratio = torch.exp(log_ratio)
@@ -216,8 +233,97 @@ def ppo_clip(
         capped = (adv < 0) & (per_token > cap)
         per_token = torch.where(capped, cap, per_token)
         high = high | capped.detach()
+    return per_token, ratio, low, high, log_ratio
+
+
+def importance_weights(
+    target_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, cap: float | None
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token importance weights target / behaviour, truncated at `cap`, without gradient.
+
+    Truncation bounds the variance of off-policy corrections (Espeholt et al. 2018, "IMPALA"; for RL
+    on language models, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training"). Returns (weights [B, T], 0 at masked positions; metrics is_weight_mean, is_weight_max,
+    is_truncated_fraction over masked tokens, computed before truncation for the mean and max).
+    """
+    m = mask.bool()
+    with torch.no_grad():
+        raw = torch.exp(torch.where(m, target_logprobs - behaviour_logprobs, 0.0).float())
+        weights = raw if cap is None else torch.clamp(raw, max=cap)
+        weights = torch.where(m, weights, 0.0)
+        n = m.sum().clamp_min(1).float()
+        truncated = (m & (raw > cap)).sum().float() / n if cap is not None else raw.new_zeros(())
+        stats = torch.stack(
+            [
+                torch.where(m, raw, 0.0).sum() / n,
+                torch.where(m, raw, -torch.inf).amax() if m.any() else raw.new_zeros(()),
+                truncated,
+            ]
+        ).tolist()
+    return weights, dict(
+        zip(("is_weight_mean", "is_weight_max", "is_truncated_fraction"), stats, strict=True)
+    )
+
+
+def decoupled_ppo(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    cap: float | None = 5.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> PolicyLoss:
+    """Decoupled PPO: clip the ratio against a proximal policy, correct behaviour -> proximal by
+    importance weights.
+
+    Hilton et al. 2022, "Batch size-invariance for policy optimization"; used for asynchronous RL of
+    language models by AReaL (Fu et al. 2025). Per token: w * PPO-clip(exp(logprobs - proximal)), with
+    w = min(exp(proximal - behaviour), cap) detached. The behaviour policy generated the sample (maybe
+    several versions ago); the proximal policy is the trainer's recomputation with the weights at the
+    start of the update, so the trust region is measured from recent weights, not stale ones.
+    All [B, T]; advantages [B] or [B, T]. Metrics of `ppo_clip` (ratio = current / proximal) plus
+    those of `importance_weights`.
+    """
+    m = mask.bool()
+    per_token, ratio, low, high, log_ratio = _ppo_tokens(
+        logprobs, proximal_logprobs, advantages, m, clip_low, clip_high, dual_clip
+    )
+    weights, w_stats = importance_weights(proximal_logprobs, behaviour_logprobs, m, cap=cap)
+    loss = aggregate(weights * per_token, m, aggregation, normalizer)
+    return PolicyLoss(loss, {**_metrics(ratio, low, high, log_ratio, m), **w_stats})
+
+
+def tis(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    cap: float = 2.0,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> PolicyLoss:
+    """Truncated importance sampling policy gradient, no ratio clipping.
+
+    Per token: -min(exp(logprobs - behaviour), cap).detach() * A * logprobs, an unbiased (up to the
+    truncation) off-policy REINFORCE estimator (Espeholt et al. 2018, "IMPALA": truncated importance
+    weights). All [B, T]; advantages [B] or [B, T]. Metrics: those of `importance_weights`, plus
+    ratio_mean / ratio_max / approx_kl between behaviour and current, and clip fractions of 0.
+    """
+    m = mask.bool()
+    weights, w_stats = importance_weights(logprobs, behaviour_logprobs, m, cap=cap)
+    adv = _token_advantages(advantages, m)
+    per_token = -weights * adv * torch.where(m, logprobs, 0.0)
     loss = aggregate(per_token, m, aggregation, normalizer)
-    return PolicyLoss(loss, _metrics(ratio, low, high, log_ratio, m))
+    log_ratio = torch.where(m, logprobs - behaviour_logprobs, 0.0).detach()
+    none = torch.zeros_like(m)
+    return PolicyLoss(loss, {**_metrics(torch.exp(log_ratio), none, none, log_ratio, m), **w_stats})
 
 
 def gspo(

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+FINISH_INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,13 +92,17 @@ class InferenceEngine(abc.ABC):
         self.version = 0
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, interrupt: Callable[[], bool] | None = None
+    ) -> list[Completion]:
         """One completion per prompt, in the order of `prompts`.
 
         Each completion ends at the first EOS or `params.stop_token_ids` token (kept, finish_reason
         "stop") or after `params.max_new_tokens` tokens (finish_reason "length"). `logprobs[j]` is the
         log-probability of `tokens[j]` under the module's convention with `params.temperature`. Prompts
-        must be non-empty.
+        must be non-empty. When `interrupt()` turns true (checked after every generated token), the
+        unfinished completions are returned as they are, with finish_reason "interrupted", so the caller
+        can apply new weights and continue them.
         """
 
     @abc.abstractmethod

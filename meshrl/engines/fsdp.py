@@ -22,7 +22,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrl.algorithms.losses import aggregate, entropy, gspo, kl, ppo_clip, token_logprobs
+from meshrl.algorithms.losses import (
+    aggregate,
+    decoupled_ppo,
+    entropy,
+    gspo,
+    kl,
+    ppo_clip,
+    tis,
+    token_logprobs,
+)
 from meshrl.dataplane.batch import DTYPE_NAMES
 
 
@@ -36,13 +45,14 @@ class TrainBatch:
     old_logprobs: torch.Tensor  # [n, L-1] behaviour logprobs at those positions
     advantages: torch.Tensor  # [n] (outcome) or [n, L-1] (per token)
     ref_logprobs: torch.Tensor | None = None  # [n, L-1]
+    stale: torch.Tensor | None = None  # [n] bool: generated with weights older than the step's start
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, index: torch.Tensor, trim: bool = True) -> TrainBatch:
+    def rows(self, index: torch.Tensor) -> TrainBatch:
         """A subset of rows, trimmed to its own longest row."""
-        width = int(self.attention_mask[index].sum(1).max()) if trim else self.input_ids.shape[1]
+        width = int(self.attention_mask[index].sum(1).max())
         pick = lambda t: None if t is None else t[index][:, : width - 1] if t.dim() == 2 else t[index]  # noqa: E731
         return TrainBatch(
             input_ids=self.input_ids[index][:, :width],
@@ -51,6 +61,7 @@ class TrainBatch:
             old_logprobs=pick(self.old_logprobs),  # type: ignore[arg-type]
             advantages=pick(self.advantages),  # type: ignore[arg-type]
             ref_logprobs=pick(self.ref_logprobs),
+            stale=None if self.stale is None else self.stale[index],
         )
 
 
@@ -62,6 +73,7 @@ def pack(
     valid: torch.Tensor,
     ref_logprobs: list[torch.Tensor] | None = None,
     pad_id: int = 0,
+    stale: torch.Tensor | None = None,
 ) -> TrainBatch:
     """Right-pad prompt+response rows; align per-response-token values to the positions predicting them."""
     n = len(prompts)
@@ -83,7 +95,7 @@ def pack(
         if ref is not None and ref_logprobs is not None:
             ref[i, lp - 1 : lp + lr - 1] = ref_logprobs[i]
     adv = torch.where(valid.bool(), advantages.float(), torch.zeros_like(advantages, dtype=torch.float32))
-    return TrainBatch(ids, attn, mask, old, adv, ref)
+    return TrainBatch(ids, attn, mask, old, adv, ref, stale)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,76 +191,73 @@ class FSDPEngine:
         return lp, ent
 
     def update_policy(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
-        """Train on `batch` (this rank's share) as `cfg` (a TrainerConfig) describes: `cfg.mini_batches`
-        optimizer steps, each on an equal slice of the rows (in a seeded random order).
+        """Train on `batch` (this rank's share of a mini-batch) as `cfg` (a TrainerConfig) describes:
+        `cfg.epochs` optimizer steps over all of it, each accumulating gradients over micro-batches.
 
-        Returns the step's metrics, averaged over the optimizer steps (timings summed). A non-finite loss
-        or gradient skips that update and counts it in `nan_skipped`.
+        The loss follows `cfg.off_policy`: "none" clips the ratio current / behaviour (the logprobs the
+        sample was generated with); "decoupled" clips current / proximal, where the proximal policy is
+        the weights at the start of this step (`snapshot`; for samples generated with exactly those, the
+        behaviour logprobs), and weights each token by min(proximal / behaviour, cfg.is_cap); "tis" is
+        truncated-importance-weighted REINFORCE against the behaviour policy. Returns metrics averaged over epochs (timings summed); an epoch
+        with a non-finite loss or gradient is skipped and counted in `nan_skipped`.
         """
-        k = max(1, min(cfg.mini_batches, len(batch)))
-        gen = torch.Generator().manual_seed(self.steps)
-        order = torch.randperm(len(batch), generator=gen)
-        results = [self._update(batch.rows(part, trim=False), cfg) for part in order.tensor_split(k)]
+        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
+        chunks = list(order.split(cfg.micro_batch))
+        proximal = (
+            [self._proximal(batch.rows(c), cfg) for c in chunks] if cfg.off_policy == "decoupled" else []
+        )
+        results = [self._epoch(batch, chunks, proximal, cfg) for _ in range(cfg.epochs)]
         out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
-        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s", "tokens"):
+        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
             out[key] = sum(r[key] for r in results)
         out["ratio_max"] = max(r["ratio_max"] for r in results)
         return out
 
-    def _update(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
+    def _epoch(
+        self, batch: TrainBatch, chunks: list[torch.Tensor], proximal: list[torch.Tensor], cfg: Any
+    ) -> dict[str, float]:
         """One optimizer step on `batch`, accumulating gradients over micro-batches."""
         t0 = time.perf_counter()
         tokens, rows = float(batch.mask.sum()), float((batch.mask.sum(1) > 0).sum())
         g_tokens, g_rows, g_n = self._all_sum([tokens, rows, float(len(batch))])
         normalizer = g_tokens if cfg.loss_agg == "token-mean" else g_n
-        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
-        chunks = list(order.split(cfg.micro_batch))
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
         n_chunks = int(self._max([len(chunks)]))
-        sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_ref": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
-        ratio_max = 0.0
+        keys = ("pg_loss", "entropy", "kl_ref", "kl_behaviour", "clip_fraction", "approx_kl")
+        sums = dict.fromkeys(keys, 0.0)
+        sums.update(is_weight_mean=0.0, is_truncated_fraction=0.0)
+        ratio_max = is_max = 0.0
         for k in range(n_chunks):
-            last = k == n_chunks - 1
             if hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(last)
-            index = chunks[k] if k < len(chunks) else chunks[0][:1]
-            mb = batch.rows(index)
+                self.model.set_requires_gradient_sync(k == n_chunks - 1)
+            mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
             if k >= len(chunks):
                 mb.mask = torch.zeros_like(mb.mask)
             mask = mb.mask.to(self.device)
             lp, ent = self.forward_logprobs(mb, cfg.temperature)
-            old = mb.old_logprobs.to(self.device)
-            adv = mb.advantages.to(self.device)
-            if cfg.policy_loss == "gspo":
-                out = gspo(lp, old, adv, mask, normalizer=g_rows)
-            else:
-                out = ppo_clip(
-                    lp,
-                    old,
-                    adv,
-                    mask,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    dual_clip=cfg.dual_clip,
-                    aggregation=cfg.loss_agg,
-                    normalizer=normalizer,
-                )
-            loss = out.loss
+            behaviour = mb.old_logprobs.to(self.device)
+            prox = proximal[k] if k < len(proximal) else behaviour
+            out = self._policy_loss(
+                lp, prox, behaviour, mb.advantages.to(self.device), mask, cfg, normalizer, g_rows
+            )
             ent_term = aggregate(ent, mask, cfg.loss_agg, normalizer)
-            loss = loss - cfg.entropy_coef * ent_term
+            loss = out.loss - cfg.entropy_coef * ent_term
             if cfg.kl_coef > 0 and mb.ref_logprobs is not None:
-                kl_term = aggregate(
-                    kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator), mask, cfg.loss_agg, normalizer
-                )
+                kl_ref = kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator)
+                kl_term = aggregate(kl_ref, mask, cfg.loss_agg, normalizer)
                 loss = loss + cfg.kl_coef * kl_term
                 sums["kl_ref"] += float(kl_term.detach())
             loss.backward()
             weight = float(mask.sum()) / max(g_tokens, 1.0)
+            with torch.no_grad():
+                k3 = kl(lp.detach(), behaviour, "k3")
+                sums["kl_behaviour"] += float(torch.where(mask, k3, 0.0).sum()) / max(g_tokens, 1.0)
             sums["pg_loss"] += float(out.loss.detach())
             sums["entropy"] += float(ent_term.detach())
-            sums["clip_fraction"] += out.metrics.get("clip_fraction", 0.0) * weight
-            sums["approx_kl"] += out.metrics.get("approx_kl", 0.0) * weight
+            for key in ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction"):
+                sums[key] += out.metrics.get(key, 0.0) * weight
             ratio_max = max(ratio_max, out.metrics.get("ratio_max", 0.0))
+            is_max = max(is_max, out.metrics.get("is_weight_max", 0.0))
         t1 = time.perf_counter()
         reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
@@ -261,6 +270,11 @@ class FSDPEngine:
             self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
         t2 = time.perf_counter()
+        if cfg.off_policy == "none":
+            for key in ("is_weight_mean", "is_truncated_fraction"):
+                del reduced[key]
+        else:
+            reduced["is_weight_max"] = self._max([is_max])
         return {
             **reduced,
             "loss": reduced["pg_loss"]
@@ -270,10 +284,64 @@ class FSDPEngine:
             "grad_norm": grad_norm,
             "lr": lr,
             "nan_skipped": 0.0 if finite else 1.0,
-            "tokens": g_tokens,
             "time/forward_backward_s": t1 - t0,
             "time/optimizer_s": t2 - t1,
         }
+
+    def snapshot(self) -> None:
+        """Remember the current weights as the proximal policy (called at the start of each step)."""
+        with torch.no_grad():
+            self._snapshot = [_local(p).clone() for p in self.model.parameters()]
+
+    def _proximal(self, mb: TrainBatch, cfg: Any) -> torch.Tensor:
+        """Logprobs of the proximal policy (the weights at the start of this step) for a micro-batch.
+
+        Samples generated with those very weights need no recomputation: their behaviour logprobs are
+        the proximal ones. Stale samples are scored with the snapshot swapped in for one forward.
+        """
+        behaviour = mb.old_logprobs.to(self.device)
+        if mb.stale is None or not bool(mb.stale.any()) or not hasattr(self, "_snapshot"):
+            return behaviour
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            current = [_local(p).clone() for p in params]
+            for p, old in zip(params, self._snapshot, strict=True):
+                _local(p).copy_(old)
+            try:
+                lp, _ = self.forward_logprobs(mb, cfg.temperature)
+            finally:
+                for p, now in zip(params, current, strict=True):
+                    _local(p).copy_(now)
+        stale = mb.stale.to(self.device).unsqueeze(-1)
+        return torch.where(stale, lp.detach(), behaviour)
+
+    @staticmethod
+    def _policy_loss(
+        lp: torch.Tensor,
+        proximal: torch.Tensor,
+        behaviour: torch.Tensor,
+        adv: torch.Tensor,
+        mask: torch.Tensor,
+        cfg: Any,
+        normalizer: float,
+        g_rows: float,
+    ) -> Any:
+        if cfg.policy_loss == "gspo":
+            old = behaviour if cfg.off_policy == "none" else proximal
+            return gspo(lp, old, adv, mask, normalizer=g_rows)
+        if cfg.off_policy == "decoupled":
+            return decoupled_ppo(
+                lp, proximal, behaviour, adv, mask, cap=cfg.is_cap, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                dual_clip=cfg.dual_clip, aggregation=cfg.loss_agg, normalizer=normalizer,
+            )  # fmt: skip
+        if cfg.off_policy == "tis":
+            return tis(
+                lp, behaviour, adv, mask, cap=cfg.is_cap, aggregation=cfg.loss_agg, normalizer=normalizer
+            )
+        return ppo_clip(
+            lp, behaviour, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+            aggregation=cfg.loss_agg, normalizer=normalizer,
+        )  # fmt: skip
 
     def _max(self, values: list[float]) -> float:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -368,3 +436,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     return []
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's storage of a parameter (its shard under FSDP)."""
+    return p.to_local() if hasattr(p, "to_local") else p

@@ -10,7 +10,7 @@ rows that have stopped are dropped from the batch as they accumulate.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,14 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from meshrl.engines.base import FINISH_LENGTH, FINISH_STOP, Completion, InferenceEngine, SamplingParams
+from meshrl.engines.base import (
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    InferenceEngine,
+    SamplingParams,
+)
 
 # Finished rows are removed from the batch (and its KV cache) once they are at least this fraction of it:
 # the copy of the cache costs about one decoding step, so doing it on every finished row would not pay.
@@ -169,7 +176,9 @@ class HFEngine(InferenceEngine):
             yield order[start : start + self.max_batch_size]
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, interrupt: Callable[[], bool] | None = None
+    ) -> list[Completion]:
         if not prompts:
             return []
         self._check_tokens(prompts, "prompts")
@@ -186,7 +195,7 @@ class HFEngine(InferenceEngine):
             order.sort(key=lambda i: len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
         for chunk in self._chunks(order):
-            done = self._generate_batch([prompts[i] for i in chunk], params, generator, stop)
+            done = self._generate_batch([prompts[i] for i in chunk], params, generator, stop, interrupt)
             for i, completion in zip(chunk, done, strict=True):
                 results[i] = completion
         return [c for c in results if c is not None]
@@ -200,6 +209,7 @@ class HFEngine(InferenceEngine):
         params: SamplingParams,
         generator: torch.Generator,
         stop: torch.Tensor,
+        interrupt: Callable[[], bool] | None = None,
     ) -> list[Completion]:
         dev, steps = self.device, params.max_new_tokens
         width = max(len(p) for p in prompts)
@@ -223,11 +233,15 @@ class HFEngine(InferenceEngine):
         rows = torch.arange(batch, device=dev)  # row of the batch -> row of the output
         next_pos = positions[:, -1] + 1
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
+        produced = steps  # tokens generated per row at most (fewer when interrupted)
         for step in range(steps):
             tokens, logprobs = _sample(out.logits[:, -1, :], params, generator)
             tokens_out[rows, step] = tokens
             logprobs_out[rows, step] = logprobs
             if step == steps - 1:
+                break
+            if interrupt is not None and interrupt():
+                produced = step + 1
                 break
             finished |= torch.isin(tokens, stop)
             n_finished = int(finished.sum())
@@ -248,15 +262,17 @@ class HFEngine(InferenceEngine):
             )
             next_pos = next_pos + 1
         # Each row ends at its first stop token; what a finished row sampled after it is discarded.
+        tokens_out, logprobs_out = tokens_out[:, :produced], logprobs_out[:, :produced]
         is_stop = torch.isin(tokens_out, stop)
         stopped = is_stop.any(-1)
-        lengths = torch.where(stopped, is_stop.int().argmax(-1) + 1, steps)
+        lengths = torch.where(stopped, is_stop.int().argmax(-1) + 1, produced)
+        unfinished = FINISH_LENGTH if produced == steps else FINISH_INTERRUPTED
         toks, lps = tokens_out.tolist(), logprobs_out.tolist()
         return [
             Completion(
                 tokens=toks[i][:n],
                 logprobs=lps[i][:n],
-                finish_reason=FINISH_STOP if s else FINISH_LENGTH,
+                finish_reason=FINISH_STOP if s else unfinished,
             )
             for i, (n, s) in enumerate(zip(lengths.tolist(), stopped.tolist(), strict=True))
         ]

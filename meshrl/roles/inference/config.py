@@ -32,6 +32,10 @@ class InferenceConfig(ServiceConfig):
     max_new_tokens: int = 16
     max_batch: int = 256
     """Rows generated together at most."""
+    interrupt: str = "finish"
+    """When new weights arrive mid-batch: "finish" the batch on the old weights (the new ones are
+    staged and swapped in after it), or "continue" (stop at the next token, load, continue the same
+    completions on the new weights; such samples carry both versions)."""
     trainer: str = "trainer"
     """Group id of the trainer whose weights this replica follows."""
     threads: int = 0
@@ -42,6 +46,7 @@ class InferenceConfig(ServiceConfig):
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         require(self.max_batch >= 1, "max_batch", "must be >= 1")
         require(self.engine in ("hf",), "engine", f"{self.engine!r} is not one of: hf")
+        require(self.interrupt in ("finish", "continue"), "interrupt", "must be 'finish' or 'continue'")
 
     def reads(self) -> Columns:
         return {SAMPLES: ("prompt",), EVAL: ("prompt",)}

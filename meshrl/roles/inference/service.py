@@ -7,14 +7,15 @@ rollout's pacing window is enforced. Rows whose version has not been published y
 lease renewed) and are generated the moment it arrives; the others are generated at once. Rows are
 acknowledged as they are done, so part of a claim can finish before the rest.
 
-New weights arrive on a thread that waits in the weight group's broadcast; it takes the engine's lock
-while it loads them, so a batch is generated entirely with one version, which every completion records.
+New weights arrive on a thread that waits in the weight group's broadcast (see `receive_weights` for
+the two interrupt modes). Every completion records the versions of its first and last tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch
-from meshrl.engines.base import InferenceEngine, SamplingParams
+from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles import EVAL, SAMPLES
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.trainer.config import TrainerConfig
@@ -65,6 +66,8 @@ class InferenceService(Service):
         self.batches = 0
         self.generated = 0
         self.lock = threading.Lock()
+        self.update_pending = threading.Event()
+        self.version_changed = threading.Condition()
         self.receiver_error: BaseException | None = None
         self.waiting: list[Waiting] = []
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -136,8 +139,7 @@ class InferenceService(Service):
         ready = [i for i in work.rows if int(needs[i] or 0) <= version]
         later = [i for i in work.rows if int(needs[i] or 0) > version]
         if ready:
-            with self.lock:
-                columns = self.generate(work.batch, ready, eval_rows=work.kind == EVAL)
+            columns = self.generate(work.batch, ready, eval_rows=work.kind == EVAL)
             ids = work.batch.ids[ready]
             await client.put(work.kind, columns, ids=ids)
             await client.ack(work.batch, None if not later and len(ready) == len(work.batch) else ids)
@@ -156,58 +158,105 @@ class InferenceService(Service):
                 work.renewed = now
 
     def receive_weights(self) -> None:
-        """Thread: wait for each publication, then load it under the engine lock."""
+        """Thread: wait for each publication, then load it into the engine.
+
+        interrupt="finish": receive into a staging copy without the engine lock (the trainer is never
+        held up by a batch in progress), then swap it in once the batch is done.
+        interrupt="continue": ask the batch in progress to stop at its next token, load the weights
+        directly, and let the batch continue on them.
+        """
         try:
             while True:
                 header = self.weights.wait()
                 if header[0] < 0:  # the trainer is done publishing
                     return
                 t0 = time.perf_counter()
-                with self.lock:
-                    version = self.weights.receive(header, self.engine.load_weights)
-                    self.engine.set_version(version)
+                if self.config.interrupt == "continue":
+                    self.update_pending.set()
+                    with self.lock:
+                        version = self.weights.receive(header, self.engine.load_weights)
+                        self.engine.set_version(version)
+                        self.update_pending.clear()
+                else:
+                    staged: list[tuple[str, torch.Tensor]] = []
+                    version = self.weights.receive(header, functools.partial(_stage, staged))
+                    with self.lock:
+                        self.engine.load_weights(staged)
+                        self.engine.set_version(version)
+                with self.version_changed:
+                    self.version_changed.notify_all()
                 self.ctx.health.info["version"] = version
                 if self.loop is not None and self.new_version is not None:
                     self.loop.call_soon_threadsafe(self.new_version.set)
                 self.log.info("weights version %d applied in %.3fs", version, time.perf_counter() - t0)
         except BaseException as e:  # surfaced by the main loop
             self.receiver_error = e
+            with self.version_changed:
+                self.version_changed.notify_all()
+
+    def newer_than(self, version: int) -> bool:
+        return self.engine.version > version or self.receiver_error is not None
 
     def generate(self, batch: Batch, rows: list[int], *, eval_rows: bool) -> dict[str, Any]:
+        """Completions for `rows` of `batch`; rows interrupted by a weight update are continued on the
+        new weights and record both versions."""
         cfg = self.config
-        all_prompts = batch.ragged("prompt")
-        prompts = [all_prompts[i].tolist() for i in rows]
+        prompts = [batch.ragged("prompt")[i].tolist() for i in rows]
         flags = batch.meta_of("greedy", False)
         greedy = [bool(flags[i]) if eval_rows else False for i in rows]
-        out: list[Any] = [None] * len(prompts)
+        tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        first = [-1] * len(rows)
+        last = [-1] * len(rows)
+        todo = list(range(len(rows)))
+        seed = self.ctx.recipe.seed * 1_000_003 + self.ctx.replica.index * 100_003 + self.batches
+        interrupt = self.update_pending.is_set if cfg.interrupt == "continue" else None
         t0 = time.perf_counter()
-        for mode in (False, True):
-            index = [i for i, g in enumerate(greedy) if g == mode]
-            if not index:
-                continue
-            params = SamplingParams(
-                temperature=0.0 if mode else cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                max_new_tokens=cfg.max_new_tokens,
-                seed=self.ctx.recipe.seed * 1_000_003 + self.ctx.replica.index * 100_003 + self.batches,
-            )
-            for i, completion in zip(
-                index, self.engine.generate([prompts[i] for i in index], params), strict=True
-            ):
-                out[i] = completion
+        while todo:
+            with self.lock:
+                version = self.engine.version
+                for mode in (False, True):
+                    index = [i for i in todo if greedy[i] == mode]
+                    for left in sorted({cfg.max_new_tokens - len(tokens[i]) for i in index}):
+                        same = [i for i in index if cfg.max_new_tokens - len(tokens[i]) == left]
+                        params = SamplingParams(
+                            temperature=0.0 if mode else cfg.temperature,
+                            top_k=cfg.top_k,
+                            top_p=cfg.top_p,
+                            max_new_tokens=left,
+                            seed=seed,
+                        )
+                        done = self.engine.generate(
+                            [prompts[i] + tokens[i] for i in same], params, interrupt=interrupt
+                        )
+                        for i, c in zip(same, done, strict=True):
+                            first[i] = version if first[i] < 0 else first[i]
+                            last[i] = version
+                            tokens[i] += c.tokens
+                            logprobs[i] += c.logprobs
+                            if c.finish_reason != FINISH_INTERRUPTED or len(tokens[i]) >= cfg.max_new_tokens:
+                                todo.remove(i)
+            if todo:  # interrupted: wait until the new weights are in, then continue
+                with self.version_changed:
+                    self.version_changed.wait_for(functools.partial(self.newer_than, version), timeout=600)
+                if self.receiver_error is not None:
+                    raise RuntimeError("weight receiver failed") from self.receiver_error
         gen_s = time.perf_counter() - t0
         self.batches += 1
         self.generated += len(prompts)
         self.ctx.health.info.update(batches=self.batches, generated=self.generated)
         n = len(prompts)
-        version = self.engine.version
         return {
-            "response": [torch.tensor(c.tokens, dtype=torch.int64) for c in out],
-            "logprobs": [torch.tensor(c.logprobs, dtype=torch.float32) for c in out],
-            "version": torch.tensor([[version, version]] * n, dtype=torch.int64),
+            "response": [torch.tensor(t, dtype=torch.int64) for t in tokens],
+            "logprobs": [torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
+            "version": torch.tensor(list(zip(first, last, strict=True)), dtype=torch.int64).view(n, 2),
             "gen_s": torch.full((n,), gen_s, dtype=torch.float32),
             "gen_batch": torch.full(
                 (n,), self.ctx.replica.index * 1_000_000_000 + self.batches, dtype=torch.int64
             ),
         }
+
+
+def _stage(into: list[tuple[str, torch.Tensor]], named: list[tuple[str, torch.Tensor]]) -> None:
+    """Keep a copy of a received bucket (its buffer is reused by the next one)."""
+    into.extend((name, t.clone()) for name, t in named)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 SCHEDULES = ("constant", "linear", "cosine")
 POLICY_LOSSES = ("ppo", "gspo")
+OFF_POLICY = ("none", "decoupled", "tis")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,8 +41,19 @@ class TrainerConfig(ServiceConfig):
     grad_clip: float = 1.0
     """Max global grad norm (0 disables clipping)."""
     mini_batches: int = 1
-    """Optimizer steps per training step, each on an equal share of the step's rows (PPO-style
-    mini-batches; the later ones are slightly off-policy, which the clipped ratio accounts for)."""
+    """Mini-batches per training step (one weight version): the trainer claims a mini-batch of whole
+    groups as soon as it is ready, takes an optimizer step on it, and publishes new weights after
+    `mini_batches` of them. Later mini-batches are slightly off-policy; the loss accounts for it."""
+    epochs: int = 1
+    """Optimizer steps over each mini-batch (PPO epochs)."""
+    off_policy: str = "none"
+    """How the loss treats samples from older weights: "none" (PPO ratio against the behaviour
+    logprobs), "decoupled" (ratio against the trainer's own proximal policy, importance weight
+    behaviour -> proximal truncated at is_cap) or "tis" (truncated importance sampling, no clipping)."""
+    is_cap: float = 5.0
+    """Truncation of importance weights (decoupled, tis)."""
+    max_staleness: int | None = None
+    """Drop samples whose first token was generated more than this many versions ago (counted)."""
     micro_batch: int = 32
     """Rows per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
     loss_agg: str = "token-mean"
@@ -77,6 +89,12 @@ class TrainerConfig(ServiceConfig):
         )
         require(self.micro_batch >= 1, "micro_batch", "must be >= 1")
         require(self.mini_batches >= 1, "mini_batches", "must be >= 1")
+        require(self.epochs >= 1, "epochs", "must be >= 1")
+        require(
+            self.off_policy in OFF_POLICY, "off_policy", f"{self.off_policy!r} is not one of {OFF_POLICY}"
+        )
+        require(self.is_cap > 0, "is_cap", "must be > 0")
+        require(self.max_staleness is None or self.max_staleness >= 0, "max_staleness", "must be >= 0")
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
         require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "must be > 1 (or None)")
@@ -87,7 +105,17 @@ class TrainerConfig(ServiceConfig):
         return self.prompts_per_step * self.group_size
 
     def columns(self) -> tuple[str, ...]:
-        cols = ("prompt", "response", "logprobs", "reward", "advantage", "valid", "gen_s", "gen_batch")
+        cols = (
+            "prompt",
+            "response",
+            "logprobs",
+            "version",
+            "reward",
+            "advantage",
+            "valid",
+            "gen_s",
+            "gen_batch",
+        )
         return cols + (("ref_logprobs",) if self.kl_coef > 0 else ())
 
     def reads(self) -> Columns:

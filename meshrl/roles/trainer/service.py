@@ -80,36 +80,49 @@ class TrainerService(Service):
     # ---------------------------------------------------------------------------------------------------
 
     def run(self) -> None:
+        cfg = self.config
         total = self.ctx.recipe.total_steps
-        sync_s = self.publish(final=False)  # version 0: inference starts from exactly the trainer's weights
+        self.publish(final=False)  # version 0: inference starts from exactly the trainer's weights
         last_gate = time.perf_counter()
         for step in range(total):
-            t0 = time.perf_counter()
-            batch = self.claim_step()
-            t1 = time.perf_counter()
-            stats = self.train(batch)
-            t2 = time.perf_counter()
+            rows: list[dict[str, torch.Tensor]] = []
+            stats: list[dict[str, float]] = []
+            wait_s = train_s = 0.0
+            for _ in range(cfg.mini_batches):  # streaming: train on each mini-batch as soon as it is ready
+                t0 = time.perf_counter()
+                batch = self.claim_minibatch()
+                t1 = time.perf_counter()
+                summary = summarize(batch, self.version)
+                keep = torch.ones(len(batch), dtype=torch.bool)
+                if cfg.max_staleness is not None:
+                    keep = summary["staleness"] <= cfg.max_staleness
+                summary["dropped"] = ~keep
+                if keep.any():
+                    stats.append(self.train(batch, keep))
+                self.client.ack(batch)
+                self.client.delete(SAMPLES, batch.ids)  # views into the rows end here: `summary` is a copy
+                rows.append(summary)
+                wait_s += t1 - t0
+                train_s += time.perf_counter() - t1
             self.version += 1
             sync_s = self.publish(final=step == total - 1)
-            self.client.ack(batch)
-            self.client.delete(SAMPLES, batch.ids)
             now = time.perf_counter()
             self.record(
-                step, batch, stats, wait_s=t1 - t0, train_s=t2 - t1, sync_s=sync_s, step_s=now - last_gate
+                step, rows, stats, wait_s=wait_s, train_s=train_s, sync_s=sync_s, step_s=now - last_gate
             )
             last_gate = now
             self.ctx.health.info.update(step=step + 1, version=self.version)
         if self.weights is not None:
             self.weights.close()
-        if self.config.save_final:
-            self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=self.config.model)
+        if cfg.save_final:
+            self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
         while not self.finished():  # rollout ends the run once its last evaluation is in
             time.sleep(0.2)
 
-    def claim_step(self) -> Batch:
-        """This rank's share of the step: whole groups, all columns ready. Waits as long as it takes."""
+    def claim_minibatch(self) -> Batch:
+        """This rank's share of one mini-batch: whole groups, all columns ready. Waits as long as needed."""
         cfg = self.config
-        n = cfg.batch_size // self.world
+        n = cfg.batch_size // cfg.mini_batches // self.world
         while True:
             batch = self.client.claim(
                 SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=cfg.group_size,
@@ -120,24 +133,27 @@ class TrainerService(Service):
             if self.finished(every=5.0):
                 raise RuntimeError("the run ended before the trainer received its next batch")
 
-    def train(self, batch: Batch) -> dict[str, float]:
+    def train(self, batch: Batch, keep: torch.Tensor) -> dict[str, float]:
         cfg = self.config
-        ref = batch.ragged("ref_logprobs").tolist() if "ref_logprobs" in batch else None
+        index = keep.nonzero().squeeze(-1).tolist()
+        pick = lambda rows: [rows[i] for i in index]  # noqa: E731
+        ref = pick(batch.ragged("ref_logprobs").tolist()) if "ref_logprobs" in batch else None
         packed = pack(
-            batch.ragged("prompt").tolist(),
-            batch.ragged("response").tolist(),
-            batch.ragged("logprobs").tolist(),
-            batch.tensor("advantage"),
-            batch.tensor("valid"),
+            pick(batch.ragged("prompt").tolist()),
+            pick(batch.ragged("response").tolist()),
+            pick(batch.ragged("logprobs").tolist()),
+            batch.tensor("advantage")[keep],
+            batch.tensor("valid")[keep],
             ref_logprobs=ref,
+            stale=(batch.tensor("version")[:, 0] < self.version)[keep],
         )
         stats = self.engine.update_policy(packed, cfg)
         if stats["nan_skipped"]:
             self.nan_streak += 1
-            self.log.warning("step skipped: non-finite loss or gradient (%d in a row)", self.nan_streak)
+            self.log.warning("update skipped: non-finite loss or gradient (%d in a row)", self.nan_streak)
             if self.nan_streak >= cfg.max_nan_steps:
                 raise FloatingPointError(
-                    f"{self.nan_streak} consecutive steps had a non-finite loss or gradient; stopping "
+                    f"{self.nan_streak} consecutive updates had a non-finite loss or gradient; stopping "
                     "(lower trainer.lr or check the rewards)"
                 )
         else:
@@ -147,6 +163,8 @@ class TrainerService(Service):
     def publish(self, *, final: bool) -> float:
         """Broadcast the current weights as `self.version`, then open the gate for it."""
         t0 = time.perf_counter()
+        if self.config.off_policy == "decoupled":
+            self.engine.snapshot()
         weights = self.engine.get_weights(self.config.bucket_mb << 20)
         if self.rank == 0:
             assert self.weights is not None
@@ -161,34 +179,41 @@ class TrainerService(Service):
             self.client.put(GATE, {"version": torch.tensor([self.version])}, meta=meta)
         return time.perf_counter() - t0
 
-    def record(self, step: int, batch: Batch, stats: dict[str, float], **times: float) -> None:
-        valid = batch.tensor("valid").bool()
-        reward = batch.tensor("reward")[valid].double()
-        adv = batch.tensor("advantage")[valid].double()
-        lengths = batch.ragged("response").lengths.double()
-        gen = {}
-        for b, s in zip(batch.tensor("gen_batch").tolist(), batch.tensor("gen_s").tolist(), strict=True):
-            gen[b] = s
-        local = [
-            float(reward.sum()), float((reward**2).sum()), float(len(reward)), float(len(valid) - len(reward)),
-            float(adv.sum()), float((adv**2).sum()), float(lengths.sum()), float(len(lengths)), sum(gen.values()),
-        ]  # fmt: skip
-        t = torch.tensor(local, dtype=torch.float64)
-        mx = torch.tensor(
-            [float(lengths.max()), float(adv.abs().max()) if len(adv) else 0.0, sum(gen.values())],
+    def record(
+        self, step: int, parts: list[dict[str, torch.Tensor]], stats: list[dict[str, float]], **times: float
+    ) -> None:
+        """Reduce the step's per-row summaries over ranks; rank 0 appends a line to metrics.jsonl."""
+        rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        trained = rows["valid"] & ~rows["dropped"]
+        reward, adv = rows["reward"][trained].double(), rows["advantage"][trained].double()
+        lengths, stale = rows["length"].double(), rows["staleness"][~rows["dropped"]].double()
+        gen = dict(zip(rows["gen_batch"].tolist(), rows["gen_s"].tolist(), strict=True))
+        sums = torch.tensor(
+            [
+                float(reward.sum()), float((reward**2).sum()), float(len(reward)), float((~rows["valid"]).sum()),
+                float(adv.sum()), float((adv**2).sum()), float(lengths.sum()), float(len(lengths)),
+                float(stale.sum()), float(len(stale)), float(rows["dropped"].sum()), float(rows["continued"].sum()),
+            ],
             dtype=torch.float64,
-        )
+        )  # fmt: skip
+        maxes = torch.tensor(
+            [float(lengths.max()), float(adv.abs().max()) if len(adv) else 0.0, sum(gen.values()),
+             float(stale.max()) if len(stale) else 0.0],
+            dtype=torch.float64,
+        )  # fmt: skip
         if self.world > 1:
-            dist.all_reduce(t)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        r_sum, r_sq, r_n, failed, a_sum, a_sq, l_sum, l_n, _ = t.tolist()
-        gen_s = float(mx[2])  # ranks may share inference batches: count the busiest rank's
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         if self.rank != 0:
             return
-        mean = r_sum / max(r_n, 1)
-        a_mean = a_sum / max(r_n, 1)
+        r_sum, r_sq, r_n, failed, a_sum, a_sq, l_sum, l_n, s_sum, s_n, dropped, continued = sums.tolist()
+        len_max, adv_max, gen_s, stale_max = maxes.tolist()  # gen_s: ranks may share inference batches
+        mean, a_mean = r_sum / max(r_n, 1), a_sum / max(r_n, 1)
+        merged = {k: sum(x[k] for x in stats) / len(stats) for k in stats[0]} if stats else {}
+        for k in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
+            merged[k] = sum(x.get(k, 0.0) for x in stats)
         step_s = times["step_s"]
-        compute = gen_s + stats["time/forward_backward_s"] + stats["time/optimizer_s"]
+        compute = gen_s + merged["time/forward_backward_s"] + merged["time/optimizer_s"]
         row = {
             "step": step,
             "version": self.version,
@@ -196,16 +221,20 @@ class TrainerService(Service):
             "reward_std": math.sqrt(max(r_sq / max(r_n, 1) - mean**2, 0.0)),
             "advantage_mean": a_mean,
             "advantage_std": math.sqrt(max(a_sq / max(r_n, 1) - a_mean**2, 0.0)),
-            "advantage_absmax": float(mx[1]),
+            "advantage_absmax": adv_max,
             "response_len_mean": l_sum / max(l_n, 1),
-            "response_len_max": float(mx[0]),
+            "response_len_max": len_max,
             "failed": failed,
-            **{k: v for k, v in stats.items() if not k.startswith("time/")},
+            "staleness_mean": s_sum / max(s_n, 1),
+            "staleness_max": stale_max,
+            "dropped_stale": dropped,
+            "continued": continued,
+            **{k: v for k, v in merged.items() if not k.startswith("time/")},
             "time/step_s": step_s,
             "time/generate_s": gen_s,
             "time/train_s": times["train_s"],
-            "time/forward_backward_s": stats["time/forward_backward_s"],
-            "time/optimizer_s": stats["time/optimizer_s"],
+            "time/forward_backward_s": merged["time/forward_backward_s"],
+            "time/optimizer_s": merged["time/optimizer_s"],
             "time/sync_s": times["sync_s"],
             "time/wait_s": times["wait_s"],
             "overhead_fraction": max(0.0, 1.0 - compute / step_s) if step_s > 0 else 0.0,
@@ -220,3 +249,18 @@ class TrainerService(Service):
         if dist.is_initialized():
             dist.destroy_process_group()
         super().close()
+
+
+def summarize(batch: Batch, version: int) -> dict[str, torch.Tensor]:
+    """Copies of the per-row values the step's metrics need (the batch's views die with its rows)."""
+    versions = batch.tensor("version")
+    return {
+        "reward": batch.tensor("reward").clone(),
+        "advantage": batch.tensor("advantage").clone(),
+        "valid": batch.tensor("valid").bool().clone(),
+        "length": batch.ragged("response").lengths.clone(),
+        "gen_s": batch.tensor("gen_s").clone(),
+        "gen_batch": batch.tensor("gen_batch").clone(),
+        "staleness": version - versions[:, 0],
+        "continued": versions[:, 1] != versions[:, 0],
+    }

@@ -17,9 +17,11 @@ REPO = Path(__file__).resolve().parents[3]
 RECIPE = str(REPO / "recipes" / "grpo_arith.py")
 
 
-def run(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(
+    tmp_path: Path, *overrides: str, timeout: float = 600, recipe: str = RECIPE
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "meshrl.cli", "run", RECIPE, f"base_port={free_base_port()}", *overrides],
+        [sys.executable, "-m", "meshrl.cli", "run", recipe, f"base_port={free_base_port()}", *overrides],
         cwd=tmp_path,
         capture_output=True,
         text=True,

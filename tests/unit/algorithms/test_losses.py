@@ -206,3 +206,60 @@ def test_gspo_matches_sequence_form_with_normalizer() -> None:
     (seq_grad,) = torch.autograd.grad(seq, logprobs)
     torch.testing.assert_close(out.loss, seq)
     torch.testing.assert_close(grad, seq_grad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# off-policy corrections (asynchronous training)
+
+
+def test_importance_weights_truncate_and_report():
+    from meshrl.algorithms.losses import importance_weights
+
+    target = torch.tensor([[0.0, 0.0, 1.0, 9.0]])
+    behaviour = torch.tensor([[0.0, math.log(2.0), 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    w, stats = importance_weights(target, behaviour, mask, cap=2.0)
+    assert w[0].tolist() == pytest.approx([1.0, 0.5, 2.0, 0.0])  # e^1 = 2.718 truncated to 2; masked -> 0
+    assert stats["is_weight_mean"] == pytest.approx((1.0 + 0.5 + math.e) / 3)
+    assert stats["is_weight_max"] == pytest.approx(math.e)
+    assert stats["is_truncated_fraction"] == pytest.approx(1 / 3)
+
+
+def test_decoupled_ppo_weights_the_clipped_loss_by_behaviour_to_proximal():
+    from meshrl.algorithms.losses import decoupled_ppo
+
+    # token 0: ratio 1.1 (inside), weight 0.5; token 1: ratio 1.5 (clipped at 1.2), weight 2 (cap 3)
+    prox = torch.tensor([[0.0, 0.0]])
+    logp = torch.tensor([[math.log(1.1), math.log(1.5)]], requires_grad=True)
+    behav = torch.tensor([[math.log(2.0), -math.log(2.0)]])
+    out = decoupled_ppo(logp, prox, behav, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), cap=3.0)
+    assert out.loss.item() == pytest.approx(-(0.5 * 1.1 + 2.0 * 1.2) / 2)
+    out.loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([-0.5 * 1.1 / 2, 0.0])  # clipped token: no gradient
+    assert out.metrics["clip_fraction"] == pytest.approx(0.5)
+    assert out.metrics["is_weight_mean"] == pytest.approx(1.25)
+
+
+def test_decoupled_ppo_equals_ppo_when_behaviour_is_proximal():
+    from meshrl.algorithms.losses import decoupled_ppo, ppo_clip
+
+    g = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    adv, mask = torch.randn(3, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    a = decoupled_ppo(logp, old, old, adv, mask, cap=2.0).loss
+    b = ppo_clip(logp, old, adv, mask).loss
+    assert a.item() == pytest.approx(b.item())
+
+
+def test_tis_is_truncated_reinforce():
+    from meshrl.algorithms.losses import tis
+
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    behav = torch.tensor([[-1.0, -3.0]])  # weights 1 and e -> truncated to 2
+    out = tis(logp, behav, torch.tensor([2.0]), torch.ones(1, 2, dtype=torch.bool), cap=2.0)
+    assert out.loss.item() == pytest.approx(-(1.0 * 2.0 * -1.0 + 2.0 * 2.0 * -2.0) / 2)
+    out.loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([-1.0 * 2.0 / 2, -2.0 * 2.0 / 2])
+    assert out.metrics["is_truncated_fraction"] == pytest.approx(0.5)

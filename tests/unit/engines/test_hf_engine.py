@@ -380,3 +380,19 @@ def test_sampling_params_defaults() -> None:
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.seed = 3  # type: ignore[misc]
+
+
+def test_interrupt_returns_partial_completions_that_continue(engine):
+    """Interrupted rows come back early; continuing them from prompt + partial tokens completes them."""
+    prompts = [[5, 6, 7], [8, 9]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    full = engine.generate(prompts, params)
+    calls = iter(range(100))
+    partial = engine.generate(prompts, params, interrupt=lambda: next(calls) >= 1)  # stop after 2 tokens
+    for f, p in zip(full, partial, strict=True):
+        assert p.tokens == f.tokens[: len(p.tokens)] and len(p.tokens) <= 2
+        if p.finish_reason == "interrupted":
+            more = SamplingParams(temperature=0.0, max_new_tokens=6 - len(p.tokens))
+            rest = engine.generate([prompts[full.index(f)] + p.tokens], more)[0]
+            assert p.tokens + rest.tokens == f.tokens
+    assert any(p.finish_reason == "interrupted" for p in partial)
