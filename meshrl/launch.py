@@ -163,8 +163,14 @@ class Launcher:
             with Client(controller, secret=secret) as c:
                 c.create_partition(CONTROL, 4096)
                 parts = {p for g in recipe.groups for p in g.config.writes()}
+                retain: dict[str, set[str]] = {}
+                for g in recipe.groups:
+                    for p, consumers in g.config.retention().items():
+                        retain.setdefault(p, set()).update(consumers)
                 for p in sorted(parts - {CONTROL}):
-                    c.create_partition(p, recipe.dataplane.capacity)
+                    c.create_partition(
+                        p, recipe.dataplane.capacity, delete_when_acked_by=sorted(retain.get(p, ()))
+                    )
         self.barrier()
         return controller
 

@@ -53,6 +53,10 @@ class ServiceConfig:
         """Columns this service produces, per partition."""
         return {}
 
+    def retention(self) -> Columns:
+        """Per partition, the consumers after whose acks a row is deleted (this service is terminal)."""
+        return {}
+
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         """Problems of this config in the context of the whole recipe (paths, settings other services
         must agree with). Each message names the field. Called by the planner before anything starts."""

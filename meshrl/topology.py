@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from meshrl.recipe import Recipe, RecipeError, Scheduling, ServiceConfig
 
-SLOTS = 8  # processes a launcher may start
+SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
 HEALTH, MASTER, WEIGHTS, SPARE = range(PORTS)
 

@@ -15,6 +15,7 @@ publication starts the moment the trainer sends it: no announcement, no polling.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
 
+log = logging.getLogger("meshrl.weights")
 Manifest = list[tuple[str, tuple[int, ...], str]]
 HEADER_BYTES = 16 << 10  # version, manifest length, and the manifest when it fits
 
@@ -57,7 +59,8 @@ class WeightGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def _barrier(self) -> None:
-        self._broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
+        """Every member has got this far (a broadcast would only tell the root that it sent)."""
+        self.pg.barrier().wait()
 
     def send(
         self,
@@ -95,9 +98,15 @@ class WeightGroup:
         return sent
 
     def close(self) -> None:
-        """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1)."""
+        """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1).
+
+        Receivers that already left (the run is over) are no error.
+        """
         assert self.rank == 0
-        self._broadcast(_header(-1, b"").to(self.device))
+        try:
+            self._broadcast(_header(-1, b"").to(self.device))
+        except RuntimeError as e:
+            log.info("weight receivers already gone: %s", str(e).splitlines()[0])
 
     def wait(self) -> tuple[int, bytes]:
         """Ranks 1..N: block until the next publication starts. Returns its header for `receive`."""

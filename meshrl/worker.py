@@ -62,6 +62,12 @@ def main() -> None:
     finally:
         service.close()
         server.shutdown()
+    # Done. Leave without tearing the interpreter down: threads blocked in a collective of a peer that
+    # already left (a weight receiver, say) would abort the process during finalisation.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

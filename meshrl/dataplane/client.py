@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -460,11 +460,14 @@ class Client:
         prefetch: int = 2,
         poll: float = 1.0,
         lease: float = 60.0,
-    ) -> Iterator[Batch]:
-        """Batches as `claim` returns them, forever, with `prefetch` claims kept in flight.
+        skip_empty: bool = True,
+    ) -> Generator[Batch, None, None]:
+        """Batches as `claim` returns them, forever, with `prefetch` claims kept in flight (so the next
+        batch travels while this one is processed).
 
         Each batch must be acked (or released) by the caller. Leaving the loop releases the batches
-        that were prefetched but not yet handed out.
+        that were prefetched but not yet handed out. With `skip_empty=False`, a claim that found nothing
+        within `poll` seconds yields an empty batch (a chance for the caller to look around).
         """
         msg = P.Claim(partition, consumer, list(columns), n, min_n, group_size, poll, lease)
         inflight: deque[bytes] = deque()
@@ -477,7 +480,7 @@ class Client:
                     consumer,
                     raise_for(self._wait(inflight.popleft(), poll + self.timeout, "Claim")),
                 )
-                if batch:
+                if batch or not skip_empty:
                     yield batch
         finally:
             while inflight and self._rpc is not None:

@@ -32,7 +32,7 @@ from meshrl.algorithms.losses import (
     tis,
     token_logprobs,
 )
-from meshrl.dataplane.batch import DTYPE_NAMES
+from meshrl.dataplane.batch import DTYPE_NAMES, Ragged
 
 
 @dataclass
@@ -66,36 +66,48 @@ class TrainBatch:
 
 
 def pack(
-    prompts: list[torch.Tensor],
-    responses: list[torch.Tensor],
-    logprobs: list[torch.Tensor],
+    prompts: Ragged | list[torch.Tensor],
+    responses: Ragged | list[torch.Tensor],
+    logprobs: Ragged | list[torch.Tensor],
     advantages: torch.Tensor,
     valid: torch.Tensor,
-    ref_logprobs: list[torch.Tensor] | None = None,
+    ref_logprobs: Ragged | list[torch.Tensor] | None = None,
     pad_id: int = 0,
     stale: torch.Tensor | None = None,
 ) -> TrainBatch:
-    """Right-pad prompt+response rows; align per-response-token values to the positions predicting them."""
-    n = len(prompts)
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    width = max(lengths)
+    """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
+
+    Vectorised over rows: a few index computations whatever the batch size.
+    """
+    p, r, lp = (x if isinstance(x, Ragged) else Ragged.from_list(x) for x in (prompts, responses, logprobs))
+    n = len(p)
+    pl, rl = p.lengths, r.lengths
+    width = int((pl + rl).max())
     ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, width), dtype=torch.long)
+    row_p, col_p = _positions(pl, torch.zeros_like(pl))
+    ids[row_p, col_p] = p.values.long()
+    row_r, col_r = _positions(rl, pl)
+    ids[row_r, col_r] = r.values.long()
+    attn = (torch.arange(width)[None, :] < (pl + rl)[:, None]).long()
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
+    mask[row_r, col_r - 1] = valid.bool()[row_r]
     old = torch.zeros((n, width - 1), dtype=torch.float32)
-    ref = torch.zeros((n, width - 1), dtype=torch.float32) if ref_logprobs is not None else None
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        lp, lr = len(p), len(r)
-        ids[i, :lp] = p
-        ids[i, lp : lp + lr] = r
-        attn[i, : lp + lr] = 1
-        if bool(valid[i]) and lr:
-            mask[i, lp - 1 : lp + lr - 1] = True
-        old[i, lp - 1 : lp + lr - 1] = logprobs[i]
-        if ref is not None and ref_logprobs is not None:
-            ref[i, lp - 1 : lp + lr - 1] = ref_logprobs[i]
+    old[row_r, col_r - 1] = lp.values.float()
+    ref = None
+    if ref_logprobs is not None:
+        rv = ref_logprobs if isinstance(ref_logprobs, Ragged) else Ragged.from_list(ref_logprobs)
+        ref = torch.zeros((n, width - 1), dtype=torch.float32)
+        ref[row_r, col_r - 1] = rv.values.float()
     adv = torch.where(valid.bool(), advantages.float(), torch.zeros_like(advantages, dtype=torch.float32))
     return TrainBatch(ids, attn, mask, old, adv, ref, stale)
+
+
+def _positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every item of ragged rows laid out from column `start[row]`."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first - start, lengths)
+    return rows, cols
 
 
 @dataclass(frozen=True, kw_only=True)

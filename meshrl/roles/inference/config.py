@@ -13,6 +13,19 @@ if TYPE_CHECKING:
     from meshrl.recipe import Recipe, ServiceGroup
 
 GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
+ENGINES = ("hf", "sim")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimGeneration:
+    """The simulated engine (engine="sim"): time only, for pipeline benchmarks."""
+
+    token_s: float = 0.0005
+    """Seconds per decoding step of a batch."""
+    median_tokens: float = 100.0
+    """Median response length."""
+    sigma: float = 1.0
+    """Spread of the lognormal length distribution (1.0: the 99th percentile is ~10x the median)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +37,9 @@ class InferenceConfig(ServiceConfig):
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to from_pretrained (dtype, trust_remote_code, gguf_file, ...)."""
     engine: str = "hf"
-    """Generation engine: "hf" (transformers; CPU, tests, small models)."""
+    """Generation engine: "hf" (transformers; CPU, tests, small models) or "sim" (sleeps; benchmarks)."""
+    sim: SimGeneration = SimGeneration()
+    """Settings of the simulated engine."""
     temperature: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
@@ -45,7 +60,7 @@ class InferenceConfig(ServiceConfig):
         require(self.temperature >= 0, "temperature", "must be >= 0")
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         require(self.max_batch >= 1, "max_batch", "must be >= 1")
-        require(self.engine in ("hf",), "engine", f"{self.engine!r} is not one of: hf")
+        require(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
         require(self.interrupt in ("finish", "continue"), "interrupt", "must be 'finish' or 'continue'")
 
     def reads(self) -> Columns:
@@ -56,6 +71,8 @@ class InferenceConfig(ServiceConfig):
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []
+        if self.engine == "hf" and group.devices_per_replica > 1:
+            problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
         if not Path(self.model).exists():
             problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
         if self.trainer not in {g.id for g in recipe.groups}:

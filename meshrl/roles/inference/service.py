@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,10 +29,9 @@ from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingPar
 from meshrl.roles import EVAL, SAMPLES
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.trainer.config import TrainerConfig
-from meshrl.service import Service
+from meshrl.service import WATCH_S, Service
 from meshrl.weights import WeightGroup
 
-POLL_S = 1.0
 LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
 
 
@@ -81,9 +81,13 @@ class InferenceService(Service):
         return cfg
 
     def build_engine(self) -> InferenceEngine:
+        cfg = self.config
+        if cfg.engine == "sim":
+            from meshrl.engines.sim import SimInferenceEngine
+
+            return SimInferenceEngine(cfg.sim, seed=self.ctx.recipe.seed * 7919 + self.ctx.replica.index)
         from meshrl.engines.hf import HFEngine
 
-        cfg = self.config
         return HFEngine(
             cfg.model,
             device=str(self.ctx.device),
@@ -99,17 +103,16 @@ class InferenceService(Service):
         self.loop = asyncio.get_running_loop()
         self.new_version = asyncio.Event()
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
-        pending = {
+        pending: dict[str, asyncio.Task[Any]] = {
             kind: asyncio.create_task(self.claim(client, kind, cfg.max_batch)) for kind in (EVAL, SAMPLES)
         }
+        run_over = asyncio.create_task(self.watch_run(client))
         version_task: asyncio.Task[Any] = asyncio.create_task(self.new_version.wait())
         try:
-            while not self.finished():
+            while not run_over.done():
+                await asyncio.wait([*pending.values(), version_task, run_over], return_when="FIRST_COMPLETED")
                 if self.receiver_error is not None:
                     raise RuntimeError("weight receiver failed") from self.receiver_error
-                await asyncio.wait(
-                    [*pending.values(), version_task], timeout=POLL_S, return_when="FIRST_COMPLETED"
-                )
                 if version_task.done():
                     self.new_version.clear()
                     version_task = asyncio.create_task(self.new_version.wait())
@@ -120,17 +123,18 @@ class InferenceService(Service):
                         if batch:
                             await self.serve_rows(client, Waiting(kind, batch, list(range(len(batch)))))
                         pending[kind] = asyncio.create_task(self.claim(client, kind, cfg.max_batch))
+            run_over.result()  # a failure elsewhere in the run
         finally:
-            for task in [*pending.values(), version_task]:
+            for task in [*pending.values(), version_task, run_over]:
                 task.cancel()
-            for task in [*pending.values(), version_task]:
+            for task in [*pending.values(), version_task, run_over]:
                 with contextlib.suppress(BaseException):
                     await task
             await client.close()
 
     @staticmethod
     async def claim(client: AsyncClient, kind: str, n: int) -> Batch:
-        return await client.claim(kind, "inference", ["prompt"], n, timeout=POLL_S, lease=LEASE_S)
+        return await client.claim(kind, "inference", ["prompt"], n, timeout=WATCH_S, lease=LEASE_S)
 
     async def serve_rows(self, client: AsyncClient, work: Waiting) -> None:
         """Generate the rows the current version may serve; park the others."""
@@ -188,11 +192,16 @@ class InferenceService(Service):
                 self.ctx.health.info["version"] = version
                 if self.loop is not None and self.new_version is not None:
                     self.loop.call_soon_threadsafe(self.new_version.set)
-                self.log.info("weights version %d applied in %.3fs", version, time.perf_counter() - t0)
+                level = (
+                    logging.INFO if version % 50 == 0 else logging.DEBUG
+                )  # 64 replicas x every step adds up
+                self.log.log(level, "weights version %d applied in %.3fs", version, time.perf_counter() - t0)
         except BaseException as e:  # surfaced by the main loop
             self.receiver_error = e
             with self.version_changed:
                 self.version_changed.notify_all()
+            if self.loop is not None and self.new_version is not None:
+                self.loop.call_soon_threadsafe(self.new_version.set)
 
     def newer_than(self, version: int) -> bool:
         return self.engine.version > version or self.receiver_error is not None

@@ -35,9 +35,8 @@ from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
 from meshrl.roles import EVAL, GATE, SAMPLES
 from meshrl.roles.rollout.config import BUILTIN_TASKS, RolloutConfig
-from meshrl.service import Service
+from meshrl.service import WATCH_S, Service
 
-POLL_S = 1.0
 RewardFn = Callable[[str, str, dict[str, Any]], float]
 
 
@@ -79,27 +78,33 @@ class RolloutService(Service):
         self.client = await AsyncClient.connect(
             self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name
         )
-        tasks = [
+        self.done = asyncio.Event()
+        run_over = asyncio.create_task(self.watch_run(self.client))
+        all_done = asyncio.create_task(self.done.wait())
+        tasks = {
             asyncio.create_task(t)
             for t in (self.watch_gates(), self.feed(), self.score(), self.collect_eval())
-        ]
+        }
         try:
-            while True:
-                done = [t for t in tasks if t.done()]
-                for t in done:
-                    t.result()  # re-raise a failure
-                if self.final_version is not None and not self.eval_pending and self.scored >= self.total:
-                    break
-                if self.finished(every=2.0):
-                    break
-                await asyncio.sleep(0.05)
-            if not self.finished(every=0.0):
+            while not (run_over.done() or all_done.done()):
+                finished, _ = await asyncio.wait([*tasks, run_over, all_done], return_when="FIRST_COMPLETED")
+                for t in finished & tasks:
+                    t.result()  # re-raise a failure; a task that simply ended (feed) leaves the set
+                    tasks.discard(t)
+            if run_over.done():
+                run_over.result()  # ended by someone else, or failed elsewhere
+            else:
                 self.finish_run()
         finally:
-            for t in tasks:
+            for t in [*tasks, run_over, all_done]:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, run_over, all_done, return_exceptions=True)
             await self.client.close()
+
+    def check_done(self) -> None:
+        """The run is over for rollout once the final version is in and its evaluation recorded."""
+        if self.final_version is not None and not self.eval_pending and self.scored >= self.total:
+            self.done.set()
 
     # ---------------------------------------------------------------------------------------------------
     # pacing
@@ -107,7 +112,7 @@ class RolloutService(Service):
     async def watch_gates(self) -> None:
         consumer = f"{self.ctx.replica.name}-gate"
         while True:
-            batch = await self.client.claim(GATE, consumer, ["version"], 64, timeout=POLL_S)
+            batch = await self.client.claim(GATE, consumer, ["version"], 64, timeout=WATCH_S)
             if not batch:
                 continue
             for version, meta in zip(batch.tensor("version").tolist(), batch.meta or [], strict=False):
@@ -121,6 +126,7 @@ class RolloutService(Service):
                     await self.submit_eval(int(version))
                 if final:
                     self.final_version = int(version)
+                    self.check_done()
             self.ctx.health.info.update(
                 gates=self.gates, started=self.started, scored=self.scored, failed=self.failed
             )
@@ -203,7 +209,7 @@ class RolloutService(Service):
         while True:
             batch = await self.client.claim(
                 SAMPLES, "rollout", ["prompt", "response"], cfg.batch_size, group_size=cfg.group_size,
-                timeout=POLL_S, lease=600,
+                timeout=WATCH_S, lease=600,
             )  # fmt: skip
             if not batch:
                 continue
@@ -215,6 +221,7 @@ class RolloutService(Service):
             )
             await self.client.ack(batch)
             self.scored += len(batch)
+            self.check_done()
             self.ctx.health.info.update(scored=self.scored, failed=self.failed, skipped=self.skipped)
             if self.scored >= 4 * cfg.group_size and self.failed > cfg.max_failed_fraction * self.scored:
                 raise RuntimeError(
@@ -275,7 +282,7 @@ class RolloutService(Service):
 
     async def collect_eval(self) -> None:
         while True:
-            batch = await self.client.claim(EVAL, "rollout", ["prompt", "response"], 4096, timeout=POLL_S)
+            batch = await self.client.claim(EVAL, "rollout", ["prompt", "response"], 4096, timeout=WATCH_S)
             if not batch:
                 continue
             rewards, valid = self.rewards(batch, self.eval_rows)
@@ -293,6 +300,7 @@ class RolloutService(Service):
             for version in [v for v, left in self.eval_pending.items() if left == 0]:
                 del self.eval_pending[version]
                 self.record_eval(version, self.eval_results.pop(version))
+                self.check_done()
 
     def record_eval(self, version: int, results: list[tuple[bool, float]]) -> None:
         greedy = [r for g, r in results if g]

@@ -19,6 +19,14 @@ OFF_POLICY = ("none", "decoupled", "tis")
 
 
 @dataclass(frozen=True, kw_only=True)
+class SimTraining:
+    """The simulated training engine (engine="sim"): time only, for pipeline benchmarks."""
+
+    token_s: float = 25e-6
+    """Seconds of simulated optimizer step per trained token."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig(ServiceConfig):
     service = "meshrl.roles.trainer.service:TrainerService"
 
@@ -26,6 +34,10 @@ class TrainerConfig(ServiceConfig):
     """Local path of the initial policy."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to AutoModelForCausalLM.from_pretrained."""
+    engine: str = "fsdp"
+    """Training engine: "fsdp" (FSDP2 over an HF causal LM) or "sim" (sleeps; pipeline benchmarks)."""
+    sim: SimTraining = SimTraining()
+    """Settings of the simulated engine."""
     prompts_per_step: int = 16
     """Must equal the rollout's."""
     group_size: int = 8
@@ -82,6 +94,7 @@ class TrainerConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         require(self.lr > 0, "lr", "must be > 0")
+        require(self.engine in ("fsdp", "sim"), "engine", f"{self.engine!r} is not 'fsdp' or 'sim'")
         require(self.schedule in SCHEDULES, "schedule", f"{self.schedule!r} is not one of {SCHEDULES}")
         require(self.loss_agg in AGGREGATIONS, "loss_agg", f"{self.loss_agg!r} is not one of {AGGREGATIONS}")
         require(
@@ -123,6 +136,9 @@ class TrainerConfig(ServiceConfig):
 
     def writes(self) -> Columns:
         return {GATE: ("version",)}
+
+    def retention(self) -> Columns:
+        return {SAMPLES: ("trainer",)}
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         from meshrl.roles.inference.config import InferenceConfig

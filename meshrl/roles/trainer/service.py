@@ -1,9 +1,9 @@
 """The training service: claim whole groups, update the policy, publish weights, open the gate.
 
-Every rank of the trainer replica claims its own share of each step's groups straight from the data
-plane (consumer name "trainer", whole groups), so no rank ever forwards samples to another. Rank 0
-publishes each new weight version to the inference replicas, then writes the gate row that lets
-rollout start the next step, and appends the step's metrics to <run_dir>/metrics.jsonl.
+Every rank of the trainer replica claims its own share of each mini-batch straight from the data plane
+(consumer name "trainer", whole groups), so no rank ever forwards samples to another. After each step
+rank 0 publishes the new weight version to the inference replicas from a background thread, which then
+writes the gate row; rank 0 also appends the step's metrics to <run_dir>/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshrl.dataplane import Batch
+from meshrl.dataplane import Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
 from meshrl.roles import GATE, SAMPLES
 from meshrl.roles.trainer.config import TrainerConfig
@@ -54,12 +56,23 @@ class TrainerService(Service):
             betas=cfg.betas,
             grad_clip=cfg.grad_clip,
         )
-        self.engine = FSDPEngine(
-            cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed
-        )
+        self.engine: Any
+        if cfg.engine == "sim":
+            from meshrl.engines.sim import SimTrainEngine
+
+            self.engine = SimTrainEngine(cfg.sim)
+        else:
+            self.engine = FSDPEngine(
+                cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed
+            )
         self.client = self.ctx.client()
         self.weights: WeightGroup | None = None
+        self.stream: Generator[Batch, None, None] | None = None
+        self.publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publisher")
+        self.publishing: Future[None] | None = None
+        self.publish_s = 0.0
         if self.rank == 0:
+            self.gate_client = self.ctx.client(f"{self.ctx.name}-gate")
             members = [r for r in self.ctx.topology.replicas if r.group in cfg.inference]
             whost, wport = replica.weights_endpoint
             self.weights = WeightGroup(
@@ -99,8 +112,8 @@ class TrainerService(Service):
                 summary["dropped"] = ~keep
                 if keep.any():
                     stats.append(self.train(batch, keep))
-                self.client.ack(batch)
-                self.client.delete(SAMPLES, batch.ids)  # views into the rows end here: `summary` is a copy
+                # rows are deleted once acked (retention); views into them end here: `summary` is a copy
+                self.client.ack(batch, wait=False)
                 rows.append(summary)
                 wait_s += t1 - t0
                 train_s += time.perf_counter() - t1
@@ -112,22 +125,30 @@ class TrainerService(Service):
             )
             last_gate = now
             self.ctx.health.info.update(step=step + 1, version=self.version)
+        if self.publishing is not None:
+            self.publishing.result()
         if self.weights is not None:
             self.weights.close()
+        if self.stream is not None:
+            self.stream.close()  # hands back the mini-batch claimed ahead, if any
+        self.client.flush()
         if cfg.save_final:
             self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
         while not self.finished():  # rollout ends the run once its last evaluation is in
             time.sleep(0.2)
 
     def claim_minibatch(self) -> Batch:
-        """This rank's share of one mini-batch: whole groups, all columns ready. Waits as long as needed."""
-        cfg = self.config
-        n = cfg.batch_size // cfg.mini_batches // self.world
-        while True:
-            batch = self.client.claim(
-                SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=cfg.group_size,
-                timeout=CLAIM_POLL_S, lease=3600,
+        """This rank's share of one mini-batch: whole groups, all columns ready. Waits as long as needed;
+        the next claim is already in flight while this mini-batch trains."""
+        if self.stream is None:
+            cfg = self.config
+            n = cfg.batch_size // cfg.mini_batches // self.world
+            self.stream = self.client.stream(
+                SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=cfg.group_size, prefetch=2,
+                poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
             )  # fmt: skip
+        while True:
+            batch = next(self.stream)
             if batch:
                 return batch
             if self.finished(every=5.0):
@@ -135,17 +156,18 @@ class TrainerService(Service):
 
     def train(self, batch: Batch, keep: torch.Tensor) -> dict[str, float]:
         cfg = self.config
-        index = keep.nonzero().squeeze(-1).tolist()
-        pick = lambda rows: [rows[i] for i in index]  # noqa: E731
-        ref = pick(batch.ragged("ref_logprobs").tolist()) if "ref_logprobs" in batch else None
+        if not bool(keep.all()):
+            index = keep.nonzero().squeeze(-1).tolist()
+            columns = {k: _pick(batch.columns[k], index) for k in batch.columns}
+            batch = Batch(batch.partition, batch.consumer, batch.claim, batch.ids[index], None, columns)
         packed = pack(
-            pick(batch.ragged("prompt").tolist()),
-            pick(batch.ragged("response").tolist()),
-            pick(batch.ragged("logprobs").tolist()),
-            batch.tensor("advantage")[keep],
-            batch.tensor("valid")[keep],
-            ref_logprobs=ref,
-            stale=(batch.tensor("version")[:, 0] < self.version)[keep],
+            batch.ragged("prompt"),
+            batch.ragged("response"),
+            batch.ragged("logprobs"),
+            batch.tensor("advantage"),
+            batch.tensor("valid"),
+            ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
+            stale=batch.tensor("version")[:, 0] < self.version,
         )
         stats = self.engine.update_policy(packed, cfg)
         if stats["nan_skipped"]:
@@ -161,23 +183,36 @@ class TrainerService(Service):
         return stats
 
     def publish(self, *, final: bool) -> float:
-        """Broadcast the current weights as `self.version`, then open the gate for it."""
+        """Publish the current weights as `self.version` and open the gate for it.
+
+        The gather (collective over the trainer's ranks) and a copy happen here; the broadcast to the
+        inference replicas and the gate row happen on the publisher thread, so training goes on while
+        replicas receive. Publications stay in order: a new one waits for the previous one.
+        """
         t0 = time.perf_counter()
         if self.config.off_policy == "decoupled":
             self.engine.snapshot()
         weights = self.engine.get_weights(self.config.bucket_mb << 20)
-        if self.rank == 0:
-            assert self.weights is not None
-            self.weights.send(
-                self.version, self.engine.manifest(), weights, bucket_bytes=self.config.bucket_mb << 20
-            )
-        else:
+        if self.rank != 0:
             for _ in weights:  # take part in the gather
                 pass
-        if self.rank == 0:
-            meta: list[Any] = [{"final": final, "step": self.version}]
-            self.client.put(GATE, {"version": torch.tensor([self.version])}, meta=meta)
+            return time.perf_counter() - t0
+        copies = [t.detach().clone() for t in weights]
+        if self.publishing is not None:
+            self.publishing.result()  # surfaces a failure of the previous publication
+        self.publishing = self.publisher.submit(self._send, self.version, copies, final)
         return time.perf_counter() - t0
+
+    def _send(self, version: int, tensors: list[torch.Tensor], final: bool) -> None:
+        """Publisher thread: broadcast, wait until every replica has the version, then open the gate."""
+        assert self.weights is not None
+        t0 = time.perf_counter()
+        self.weights.send(
+            version, self.engine.manifest(), iter(tensors), bucket_bytes=self.config.bucket_mb << 20
+        )
+        meta: list[Any] = [{"final": final, "step": version}]
+        self.gate_client.put(GATE, {"version": torch.tensor([version])}, meta=meta)
+        self.publish_s = time.perf_counter() - t0
 
     def record(
         self, step: int, parts: list[dict[str, torch.Tensor]], stats: list[dict[str, float]], **times: float
@@ -217,6 +252,7 @@ class TrainerService(Service):
         row = {
             "step": step,
             "version": self.version,
+            "samples": int(l_n),
             "reward_mean": mean,
             "reward_std": math.sqrt(max(r_sq / max(r_n, 1) - mean**2, 0.0)),
             "advantage_mean": a_mean,
@@ -236,6 +272,7 @@ class TrainerService(Service):
             "time/forward_backward_s": merged["time/forward_backward_s"],
             "time/optimizer_s": merged["time/optimizer_s"],
             "time/sync_s": times["sync_s"],
+            "time/publish_s": self.publish_s,
             "time/wait_s": times["wait_s"],
             "overhead_fraction": max(0.0, 1.0 - compute / step_s) if step_s > 0 else 0.0,
             "samples_per_s": l_n / step_s if step_s > 0 else 0.0,
@@ -244,6 +281,10 @@ class TrainerService(Service):
             f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
+        if hasattr(self, "publisher"):
+            self.publisher.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self, "gate_client"):
+            self.gate_client.close()
         if hasattr(self, "client"):
             self.client.close()
         if dist.is_initialized():
@@ -264,3 +305,9 @@ def summarize(batch: Batch, version: int) -> dict[str, torch.Tensor]:
         "staleness": version - versions[:, 0],
         "continued": versions[:, 1] != versions[:, 0],
     }
+
+
+def _pick(value: torch.Tensor | Ragged, index: list[int]) -> torch.Tensor | Ragged:
+    if isinstance(value, Ragged):
+        return Ragged.from_list([value[i] for i in index], dtype=value.values.dtype)
+    return value[index]

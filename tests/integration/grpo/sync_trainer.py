@@ -7,31 +7,21 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
+from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.weights import WeightGroup
 
 SEQUENCE = [7, 41, 8, 45, 11, 1]  # "3+4=7<eos>" in the tiny tokenizer
 PROMPT_LEN = 4
 
 
-@dataclass(frozen=True)
-class Step:
-    temperature: float = 1.0
-    mini_batches: int = 1
-    micro_batch: int = 8
-    loss_agg: str = "token-mean"
-    policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+def Step(**kw: object) -> TrainerConfig:
+    """The trainer's loss settings as the engine sees them (micro-batches of 3 rows, PPO clip)."""
+    return TrainerConfig(model=".", micro_batch=3, **kw)  # type: ignore[arg-type]
 
 
 def main() -> None:

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from meshrl.engines.fsdp import FSDPEngine, OptimConfig, lr_factor, pack
+from meshrl.roles.trainer.config import TrainerConfig
 
 
-@dataclass(frozen=True)
-class Step:
-    temperature: float = 1.0
-    mini_batches: int = 1
-    micro_batch: int = 3
-    loss_agg: str = "token-mean"
-    policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+def Step(**kw: object) -> TrainerConfig:
+    """The trainer's loss settings as the engine sees them (micro-batches of 3 rows, PPO clip)."""
+    return TrainerConfig(model=".", micro_batch=3, **kw)  # type: ignore[arg-type]
 
 
 def test_pack_aligns_response_values_with_the_positions_that_predict_them():
@@ -69,7 +59,7 @@ def params(engine: FSDPEngine) -> list[torch.Tensor]:
 def test_update_moves_weights_and_reports_metrics(tiny_model):
     engine = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
     before = params(engine)
-    stats = engine.update_policy(batch(), Step(mini_batches=2))
+    stats = engine.update_policy(batch(), Step(epochs=2))
     assert stats["nan_skipped"] == 0 and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     assert engine.steps == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
