@@ -2,6 +2,7 @@
 
     python benchmarks/e2e_cpu.py --json                      # recipes/grpo_arith.py, 40 steps
     python benchmarks/e2e_cpu.py --steps 100 --prompts 64 --json
+    python benchmarks/e2e_cpu.py --recipe ppo_arith --json  # + critic and reference services
 
 Builds the tiny model and its supervised warm start (as `make run` does), runs the recipe as separate
 processes, samples the resident memory of the whole process tree every 0.2 s, and reads the trainer's
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, objec
     if args.window != "1":
         overrides.append(f"rollout.window={args.window}")
     if args.prompts:
-        overrides += [f"rollout.prompts_per_step={args.prompts}", f"trainer.prompts_per_step={args.prompts}"]
+        overrides.append(f"*.prompts_per_step={args.prompts}")
     overrides += args.set
     cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / "recipes" / f"{args.recipe}.py"), *overrides]
     t0 = time.time()
@@ -118,11 +119,27 @@ def run(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, objec
             k: round(statistics.median(m[f"time/{k}_s"] for m in steady), 4)
             for k in ("generate", "forward_backward", "optimizer", "sync", "wait")
         },
+        **critic_figures(run_dir, args.warmup),
         "steps": len(metrics),
         "wall_s": round(wall, 1),
         "recipe": args.recipe,
         "window": args.window,
         "prompts_per_step": args.prompts or "recipe default",
+    }
+
+
+def critic_figures(run_dir: Path, warmup: int) -> dict[str, object]:
+    """For recipes with a critic: its median step time (busy) and value loss at the start and end."""
+    path = run_dir / "critic.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    busy = [r["time/forward_backward_s"] + r["time/optimizer_s"] for r in rows[warmup:]]
+    loss = [r["value_loss"] for r in rows]
+    return {
+        "critic_busy_s": round(statistics.median(busy), 4) if busy else None,
+        "value_loss_first10": round(sum(loss[:10]) / len(loss[:10]), 4),
+        "value_loss_last10": round(sum(loss[-10:]) / len(loss[-10:]), 4),
     }
 
 

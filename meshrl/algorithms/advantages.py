@@ -166,3 +166,23 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     dev = torch.where(m, y - y.sum() / n, 0.0)
     std = ((dev * dev).sum() / n).sqrt()
     return dev / (std + eps)
+
+
+def token_rewards(rewards: Tensor, mask: Tensor, kl_penalty: Tensor | None = None) -> Tensor:
+    """Per-token rewards for GAE: the outcome reward on each row's last response token, minus a per-token
+    KL penalty (coef * KL(behaviour || reference), already scaled) on every token, as in RLHF's PPO
+    (Ouyang et al. 2022, "Training language models to follow instructions with human feedback").
+
+    rewards [B], mask [B, T] bool (right-padded response tokens), kl_penalty [B, T] or None.
+    Returns [B, T] float, 0 where mask is False. A row with no response token gets nothing.
+    """
+    m = mask.bool()
+    out = torch.zeros(m.shape, dtype=torch.float32)
+    if kl_penalty is not None:
+        out = torch.where(m, -kl_penalty.float(), 0.0)
+    lengths = m.sum(1)
+    has = lengths > 0
+    last = (torch.arange(m.shape[1]).expand_as(m) * m).argmax(1)
+    rows = torch.arange(m.shape[0])[has]
+    out[rows, last[has]] += _float(rewards)[has]
+    return out

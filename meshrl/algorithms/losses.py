@@ -367,3 +367,61 @@ def gspo(
         low = cut & (token_ratio < 1.0 - clip_low)
         high = cut & (token_ratio > 1.0 + clip_high)
     return PolicyLoss(loss, _metrics(token_ratio, low, high, log_ratio, m))
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The critic's clipped value loss (PPO, Schulman et al. 2017; the clipping as in its reference code).
+
+    0.5 * max((V - R)^2, (V_clip - R)^2) with V_clip = V_old + clamp(V - V_old, -clip, clip): the value
+    may not move further than `clip` from the value the advantages were computed with, unless that
+    makes the error smaller. clip None is the plain squared error. values, old_values, returns and mask
+    [B, T]. Returns (loss, {clip_fraction, explained_variance}) aggregated like the policy loss.
+    """
+    m = mask.bool()
+    err = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        err_clipped = (clipped - returns) ** 2
+        worse = err_clipped > err
+        err = torch.maximum(err, err_clipped)
+    else:
+        worse = torch.zeros_like(m)
+    loss = 0.5 * aggregate(err, m, aggregation, normalizer)
+    with torch.no_grad():
+        n = m.sum().clamp_min(1)
+        r = torch.where(m, returns, 0.0)
+        resid = torch.where(m, returns - values, 0.0)
+        r_var = (r * r).sum() / n - (r.sum() / n) ** 2
+        e_var = (resid * resid).sum() / n - (resid.sum() / n) ** 2
+        metrics = {
+            "value_clip_fraction": float((worse & m).sum() / n),
+            "explained_variance": float(1 - e_var / r_var) if float(r_var) > 0 else 0.0,
+        }
+    return loss, metrics
+
+
+class AdaptiveKL:
+    """A KL coefficient that tracks a target KL (Ziegler et al. 2019, "Fine-Tuning Language Models from
+    Human Preferences", section 2.2): after each step with measured KL k over n samples,
+    coef *= 1 + clip(k / target - 1, -0.2, 0.2) * n / horizon. With target None the coefficient is fixed.
+    """
+
+    def __init__(self, coef: float, target: float | None = None, horizon: int = 10000) -> None:
+        self.coef = coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, measured: float, n: int) -> float:
+        if self.target is not None and self.coef > 0:
+            error = min(max(measured / self.target - 1.0, -0.2), 0.2)
+            self.coef *= 1.0 + error * n / self.horizon
+        return self.coef

@@ -12,9 +12,11 @@ gather is collective) and only rank 0 keeps what it yields.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,7 @@ from meshrl.algorithms.losses import (
     ppo_clip,
     tis,
     token_logprobs,
+    value_loss,
 )
 from meshrl.dataplane.batch import DTYPE_NAMES, Ragged
 
@@ -46,6 +49,8 @@ class TrainBatch:
     advantages: torch.Tensor  # [n] (outcome) or [n, L-1] (per token)
     ref_logprobs: torch.Tensor | None = None  # [n, L-1]
     stale: torch.Tensor | None = None  # [n] bool: generated with weights older than the step's start
+    values: torch.Tensor | None = None  # [n, L-1] critic values the advantages were computed with
+    returns: torch.Tensor | None = None  # [n, L-1] the critic's regression targets
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -62,24 +67,29 @@ class TrainBatch:
             advantages=pick(self.advantages),  # type: ignore[arg-type]
             ref_logprobs=pick(self.ref_logprobs),
             stale=None if self.stale is None else self.stale[index],
+            values=pick(self.values),
+            returns=pick(self.returns),
         )
 
 
 def pack(
     prompts: Ragged | list[torch.Tensor],
     responses: Ragged | list[torch.Tensor],
-    logprobs: Ragged | list[torch.Tensor],
-    advantages: torch.Tensor,
+    logprobs: Ragged | list[torch.Tensor] | None,
+    advantages: torch.Tensor | Ragged,
     valid: torch.Tensor,
     ref_logprobs: Ragged | list[torch.Tensor] | None = None,
     pad_id: int = 0,
     stale: torch.Tensor | None = None,
+    values: Ragged | None = None,
+    returns: Ragged | None = None,
 ) -> TrainBatch:
     """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
 
-    Vectorised over rows: a few index computations whatever the batch size.
+    `advantages` is one value per row (outcome estimators) or a ragged column with one per response
+    token (GAE). Vectorised over rows: a few index computations whatever the batch size.
     """
-    p, r, lp = (x if isinstance(x, Ragged) else Ragged.from_list(x) for x in (prompts, responses, logprobs))
+    p, r = (x if isinstance(x, Ragged) else Ragged.from_list(x) for x in (prompts, responses))
     n = len(p)
     pl, rl = p.lengths, r.lengths
     width = int((pl + rl).max())
@@ -91,15 +101,22 @@ def pack(
     attn = (torch.arange(width)[None, :] < (pl + rl)[:, None]).long()
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
     mask[row_r, col_r - 1] = valid.bool()[row_r]
-    old = torch.zeros((n, width - 1), dtype=torch.float32)
-    old[row_r, col_r - 1] = lp.values.float()
-    ref = None
-    if ref_logprobs is not None:
-        rv = ref_logprobs if isinstance(ref_logprobs, Ragged) else Ragged.from_list(ref_logprobs)
-        ref = torch.zeros((n, width - 1), dtype=torch.float32)
-        ref[row_r, col_r - 1] = rv.values.float()
-    adv = torch.where(valid.bool(), advantages.float(), torch.zeros_like(advantages, dtype=torch.float32))
-    return TrainBatch(ids, attn, mask, old, adv, ref, stale)
+
+    def tokens(column: Ragged | list[torch.Tensor] | None) -> torch.Tensor | None:
+        if column is None:
+            return None
+        column = column if isinstance(column, Ragged) else Ragged.from_list(column)
+        out = torch.zeros((n, width - 1), dtype=torch.float32)
+        out[row_r, col_r - 1] = column.values.float()
+        return out
+
+    old = tokens(logprobs)
+    old = torch.zeros(mask.shape) if old is None else old
+    if isinstance(advantages, Ragged):
+        adv = torch.where(mask, tokens(advantages), 0.0)  # type: ignore[arg-type]
+    else:
+        adv = torch.where(valid.bool(), advantages.float(), 0.0)
+    return TrainBatch(ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns))
 
 
 def _positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,18 +162,31 @@ class FSDPEngine:
         device: torch.device,
         loader_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
+        head: str = "lm",
     ) -> None:
+        """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
+        head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
+        `model_path` is a causal LM)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', not {head!r}")
         torch.manual_seed(seed)
+        self.head = head
         self.device = device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not os.path.exists(model_path):
             raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
-        model: Any = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
+        model: Any
+        if head == "value":
+            model = AutoModelForTokenClassification.from_pretrained(
+                model_path, num_labels=1, **(loader_kwargs or {})
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
         model.config.use_cache = False
         self.hf_config = model.config
         model.to(device)
@@ -254,10 +284,11 @@ class FSDPEngine:
             )
             ent_term = aggregate(ent, mask, cfg.loss_agg, normalizer)
             loss = out.loss - cfg.entropy_coef * ent_term
-            if cfg.kl_coef > 0 and mb.ref_logprobs is not None:
+            if mb.ref_logprobs is not None:
                 kl_ref = kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator)
                 kl_term = aggregate(kl_ref, mask, cfg.loss_agg, normalizer)
-                loss = loss + cfg.kl_coef * kl_term
+                if cfg.kl_coef > 0:
+                    loss = loss + cfg.kl_coef * kl_term
                 sums["kl_ref"] += float(kl_term.detach())
             loss.backward()
             weight = float(mask.sum()) / max(g_tokens, 1.0)
@@ -272,15 +303,7 @@ class FSDPEngine:
             is_max = max(is_max, out.metrics.get("is_weight_max", 0.0))
         t1 = time.perf_counter()
         reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
-        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        finite = math.isfinite(grad_norm) and math.isfinite(reduced["pg_loss"])
-        lr = self.optimizer.param_groups[0]["lr"]
-        if finite:
-            self.optimizer.step()
-            self.steps += 1
-            self._set_lr()
-        self.optimizer.zero_grad(set_to_none=True)
+        step = self._step(loss_finite=math.isfinite(reduced["pg_loss"]))
         t2 = time.perf_counter()
         if cfg.off_policy == "none":
             for key in ("is_weight_mean", "is_truncated_fraction"):
@@ -293,12 +316,81 @@ class FSDPEngine:
             - cfg.entropy_coef * reduced["entropy"]
             + cfg.kl_coef * reduced["kl_ref"],
             "ratio_max": self._max([ratio_max]),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "nan_skipped": 0.0 if finite else 1.0,
+            **step,
             "time/forward_backward_s": t1 - t0,
             "time/optimizer_s": t2 - t1,
         }
+
+    # ---------------------------------------------------------------------------------------------------
+    # the value head (critic)
+
+    def forward_values(self, mb: TrainBatch) -> torch.Tensor:
+        """Values [n, L-1]: position t is the value of the state that predicts token t+1."""
+        ids = mb.input_ids.to(self.device)
+        attn = mb.attention_mask.to(self.device)
+        return self.model(input_ids=ids, attention_mask=attn).logits[:, :-1, 0].float()
+
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch, micro_batch: int) -> torch.Tensor:
+        """Values of every position of `batch` (no gradient), computed `micro_batch` rows at a time."""
+        out = torch.zeros(batch.mask.shape, dtype=torch.float32)
+        for index in torch.arange(len(batch)).split(micro_batch):
+            mb = batch.rows(index)
+            out[index, : mb.mask.shape[1]] = self.forward_values(mb).cpu()
+        return out
+
+    def update_value(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
+        """`cfg.epochs` optimizer steps of the clipped value loss (cfg.value_clip) on `batch`, which
+        carries the values its advantages were computed with and the returns."""
+        assert batch.values is not None and batch.returns is not None, "update_value needs values, returns"
+        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
+        chunks = list(order.split(cfg.micro_batch))
+        results = []
+        for _ in range(cfg.epochs):
+            t0 = time.perf_counter()
+            (g_tokens,) = self._all_sum([float(batch.mask.sum())])
+            n_chunks = int(self._max([len(chunks)]))
+            sums = {"value_loss": 0.0, "value_clip_fraction": 0.0, "values_mean": 0.0}
+            for k in range(n_chunks):
+                if hasattr(self.model, "set_requires_gradient_sync"):
+                    self.model.set_requires_gradient_sync(k == n_chunks - 1)
+                mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
+                mask = mb.mask.to(self.device) & (k < len(chunks))
+                v = self.forward_values(mb)
+                assert mb.values is not None and mb.returns is not None
+                loss, metrics = value_loss(
+                    v, mb.values.to(self.device), mb.returns.to(self.device), mask, clip=cfg.value_clip,
+                    normalizer=max(g_tokens, 1.0),
+                )  # fmt: skip
+                loss.backward()
+                weight = float(mask.sum()) / max(g_tokens, 1.0)
+                sums["value_loss"] += float(loss.detach())
+                sums["value_clip_fraction"] += metrics["value_clip_fraction"] * weight
+                sums["values_mean"] += float(torch.where(mask, v.detach(), 0.0).sum()) / max(g_tokens, 1.0)
+            reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
+            t1 = time.perf_counter()
+            step = self._step(loss_finite=math.isfinite(reduced["value_loss"]))
+            results.append({**reduced, **step, "time/forward_backward_s": t1 - t0})
+            results[-1]["time/optimizer_s"] = time.perf_counter() - t1
+        out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
+        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
+            out[key] = sum(r[key] for r in results)
+        return out
+
+    def _step(self, *, loss_finite: bool) -> dict[str, float]:
+        """Clip gradients and take an optimizer step unless the loss or gradients are not finite."""
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        finite = math.isfinite(grad_norm) and loss_finite
+        lr = self.optimizer.param_groups[0]["lr"]
+        if finite:
+            self.optimizer.step()
+            self.steps += 1
+            self._set_lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": lr, "nan_skipped": 0.0 if finite else 1.0}
+
+    # ---------------------------------------------------------------------------------------------------
 
     def snapshot(self) -> None:
         """Remember the current weights as the proximal policy (called at the start of each step)."""
@@ -425,16 +517,50 @@ class FSDPEngine:
         else:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         if self.rank == 0:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+            auto = AutoModelForTokenClassification if self.head == "value" else AutoModelForCausalLM
             with torch.device("meta"):
-                shell = AutoModelForCausalLM.from_config(self.hf_config)
+                shell = auto.from_config(self.hf_config)
             shell.load_state_dict(state, assign=True)
             shell.tie_weights()
             shell.config.use_cache = True
             shell.save_pretrained(path)
             if tokenizer_from is not None:
                 AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer and step count, sharded as trained (torch.distributed.checkpoint; collective).
+
+        Every rank writes its own shards into the directory `path`; `load_checkpoint` reads them back on
+        any number of ranks (resharding as needed)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        with _single_process_ok():
+            dcp.save({"model": model, "optim": optim, "steps": torch.tensor(self.steps)}, checkpoint_id=path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what `save_checkpoint` wrote (collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        steps = torch.tensor(0)
+        with _single_process_ok():
+            dcp.load({"model": model, "optim": optim, "steps": steps}, checkpoint_id=path)  # in place
+        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optim)
+        self.steps = int(steps)
+        self._set_lr()
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """torch.distributed.checkpoint warns when there is no process group; one rank needs none."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

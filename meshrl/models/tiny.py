@@ -119,8 +119,12 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
     seed: int = 0,
+    reward_model: bool = False,
 ) -> Path:
     """Write a randomly initialised tiny model and its tokenizer to `path` and return `path`.
+
+    reward_model=True writes a sequence-classification model with one label instead (what the
+    reward-model service loads), with the same backbone.
 
     The weights depend only on the arguments: the same seed gives the same checkpoint. The caller's
     random number generators are left as they were.
@@ -144,9 +148,13 @@ def build_tiny_model(
         eos_token_id=eos,
         dtype=torch.float32,
     )
+    if reward_model:
+        from transformers import AutoModelForSequenceClassification
+
+        cfg.num_labels = 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(cfg)
+        model = AutoModelForSequenceClassification.from_config(cfg) if reward_model else model_class(cfg)
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,3 +218,37 @@ def test_every_shipped_recipe_loads_and_plans(path, tiny_model):
     n = max(1, devices_needed(r))
     topo = plan(r, [Device(i, "localhost", i) for i in range(n)])
     assert topo.replicas
+
+
+@pytest.mark.parametrize(
+    ("path", "drop", "overrides", "message"),
+    [
+        (
+            "ppo_arith.py",
+            "critic",
+            [],
+            "reads samples.values, which no service writes: add a critic service group",
+        ),
+        (
+            "ppo_arith.py",
+            "reference",
+            [],
+            "reads samples.ref_logprobs, which no service writes: add a reference",
+        ),
+        ("grpo_arith.py", None, ["trainer.kl_coef=0.1"], "trainer'].config reads samples.ref_logprobs"),
+        (
+            "ppo_rm.py",
+            "reward_model",
+            [],
+            "reads samples.rm_score, which no service writes: add a reward-model",
+        ),
+    ],
+)
+def test_a_missing_scoring_service_fails_at_start_up_saying_which_to_add(
+    path, drop, overrides, message, tiny_model
+):
+    r = load_recipe(REPO / "recipes" / path, [f"*.model={tiny_model}", *overrides])
+    if drop is not None:
+        r = dataclasses.replace(r, groups=tuple(g for g in r.groups if g.id != drop))
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        plan(r, [Device(i, "localhost", i) for i in range(max(1, devices_needed(r)))])

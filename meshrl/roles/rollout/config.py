@@ -14,7 +14,7 @@ from meshrl.roles import EVAL, GATE, SAMPLES
 if TYPE_CHECKING:
     from meshrl.recipe import Recipe, ServiceGroup
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}
 
 
@@ -32,8 +32,12 @@ class RolloutConfig(ServiceConfig):
     """Column of the dataset holding the prompt text."""
     chat_template: bool = False
     """Render prompts with the tokenizer's chat template (as one user message)."""
-    reward: str = "meshrl.tasks.arith:reward"
-    """Reward function `module:function(prompt, completion, row) -> float`."""
+    reward: str | None = "meshrl.tasks.arith:reward"
+    """Rule reward `module:function(prompt, completion, row) -> float`; also scores evaluation."""
+    reward_weight: float = 1.0
+    """Weight of the rule reward in the reward trained on (0: the rule only evaluates)."""
+    rm_weight: float = 0.0
+    """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""
     prompts_per_step: int = 16
     group_size: int = 8
     """Completions per prompt (GRPO group)."""
@@ -42,9 +46,34 @@ class RolloutConfig(ServiceConfig):
     window: int | None = 1
     """Pacing: 1 = lock-step (sync), k = at most k steps ahead of the trainer, None = never wait."""
     advantage: str = "grpo"
-    """How rewards become advantages: grpo, dr_grpo (no std scaling), rloo, reinforce_pp."""
+    """How rewards become advantages: grpo, dr_grpo (no std scaling), rloo, reinforce_pp, or gae (per
+    token, from a critic service's `values`; rollout then also writes `returns`)."""
     normalize_std: bool = True
     """GRPO: divide by the group's reward std (False is the Dr. GRPO variant)."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten: bool = True
+    """GAE: normalise advantages to zero mean, unit std over each scored batch's tokens."""
+    kl_in_reward: float = 0.0
+    """Coefficient of a KL(behaviour || reference) penalty in the reward (needs a reference service):
+    per token for gae, summed over the response for the outcome estimators."""
+    kl_target: float | None = None
+    """Adapt kl_in_reward towards this KL per sample (Ziegler et al. 2019); None keeps it fixed."""
+    kl_horizon: int = 10000
+    """Samples over which the adaptive coefficient moves by at most 20%."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator of the penalty: k1, k2 or k3."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards all agree (no learning signal) and draw new prompts instead."""
+    max_filtered_fraction: float = 0.9
+    """Stop the run when dynamic sampling drops more than this fraction of the groups drawn."""
+    overlong_max_len: int | None = None
+    """DAPO's soft overlong penalty: responses longer than overlong_max_len - overlong_buffer tokens lose
+    up to overlong_penalty reward, linearly, reaching it at overlong_max_len."""
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     max_failed_fraction: float = 0.2
     """Stop the run when more than this fraction of samples could not be scored."""
     eval_every: int = 0
@@ -58,17 +87,48 @@ class RolloutConfig(ServiceConfig):
         require(self.window is None or self.window >= 1, "window", "must be >= 1 or None")
         require(self.advantage in ADVANTAGES, "advantage", f"{self.advantage!r} is not one of {ADVANTAGES}")
         require(0 <= self.max_failed_fraction <= 1, "max_failed_fraction", "must be in [0, 1]")
-        require(":" in self.reward, "reward", f"{self.reward!r} must look like 'package.module:function'")
+        require(
+            self.reward is None or ":" in self.reward,
+            "reward", f"{self.reward!r} must look like 'package.module:function'",
+        )  # fmt: skip
+        require(
+            self.reward is not None or self.reward_weight == 0, "reward_weight", "needs a reward function"
+        )
+        require(
+            (self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0,
+            "reward", "nothing to train on: set a reward function with reward_weight > 0, or rm_weight > 0",
+        )  # fmt: skip
+        require(self.kl_in_reward >= 0, "kl_in_reward", "must be >= 0")
+        require(self.kl_target is None or self.kl_target > 0, "kl_target", "must be > 0 (or None)")
+        require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
+        require(0 < self.max_filtered_fraction <= 1, "max_filtered_fraction", "must be in (0, 1]")
+        require(
+            self.overlong_max_len is None or 0 <= self.overlong_buffer <= self.overlong_max_len,
+            "overlong_buffer", "must be between 0 and overlong_max_len",
+        )  # fmt: skip
 
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
 
+    def score_columns(self) -> tuple[str, ...]:
+        """What a row needs before rollout can score it: the completion, and whatever the reward and
+        advantage take from other services."""
+        cols: tuple[str, ...] = ("prompt", "response")
+        if self.rm_weight > 0:
+            cols += ("rm_score",)
+        if self.kl_in_reward > 0:
+            cols += ("logprobs", "ref_logprobs")
+        if self.advantage == "gae":
+            cols += ("values",)
+        return cols
+
     def reads(self) -> Columns:
-        return {SAMPLES: ("prompt", "response"), EVAL: ("prompt", "response"), GATE: ("version",)}
+        return {SAMPLES: self.score_columns(), EVAL: ("prompt", "response"), GATE: ("version",)}
 
     def writes(self) -> Columns:
-        return {SAMPLES: ("prompt", "reward", "advantage", "valid"), EVAL: ("prompt",)}
+        extra = ("returns",) if self.advantage == "gae" else ()
+        return {SAMPLES: ("prompt", "reward", "advantage", "valid", *extra), EVAL: ("prompt",)}
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []
@@ -87,12 +147,26 @@ class RolloutConfig(ServiceConfig):
                         f"{name}: rows have no field {self.prompt_field!r} (fields: {sorted(fields)}); "
                         "set prompt_field"
                     )
-        module, _, fn = self.reward.partition(":")
-        try:
-            if not callable(getattr(importlib.import_module(module), fn, None)):
-                problems.append(f"reward: module {module!r} has no function {fn!r}")
-        except ImportError as e:
-            problems.append(f"reward: cannot import {module!r}: {e}")
+        if self.reward is not None:
+            module, _, fn = self.reward.partition(":")
+            try:
+                if not callable(getattr(importlib.import_module(module), fn, None)):
+                    problems.append(f"reward: module {module!r} has no function {fn!r}")
+            except ImportError as e:
+                problems.append(f"reward: cannot import {module!r}: {e}")
+        if self.dynamic_sampling:
+            # filtered groups are deleted: no other service may still be writing into them
+            mine = set(self.score_columns())
+            for g in recipe.groups:
+                if g.config is self:
+                    continue
+                written = g.config.writes().get(SAMPLES, ())
+                late = [c for c in written if c not in mine]
+                if late and "response" not in written:  # inference writes all its columns at once
+                    problems.append(
+                        f"dynamic_sampling: {g.id} writes {late} into rows that rollout may delete before it "
+                        "is done; dynamic sampling works with services whose columns rollout reads"
+                    )
         return problems
 
 

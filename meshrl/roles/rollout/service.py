@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from meshrl.algorithms import advantages as adv
-from meshrl.dataplane import AsyncClient, Batch
+from meshrl.algorithms import filters
+from meshrl.algorithms.losses import AdaptiveKL, kl
+from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.protocol import Meta
 from meshrl.roles import EVAL, GATE, SAMPLES
 from meshrl.roles.rollout.config import BUILTIN_TASKS, RolloutConfig
@@ -47,8 +49,14 @@ class RolloutService(Service):
         cfg = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.train_rows, self.eval_rows = load_rows(cfg)
-        module, _, fn = cfg.reward.partition(":")
-        self.reward_fn: RewardFn = getattr(importlib.import_module(module), fn)
+        self.reward_fn: RewardFn | None = None
+        if cfg.reward is not None:
+            module, _, fn = cfg.reward.partition(":")
+            self.reward_fn = getattr(importlib.import_module(module), fn)
+        self.kl = AdaptiveKL(cfg.kl_in_reward, cfg.kl_target, cfg.kl_horizon)
+        self.kl_measured = 0.0
+        self.filtered = 0
+        self.refill: list[int] = []  # min_version of each group dynamic sampling dropped, to replace
         self.rng = random.Random(self.ctx.recipe.seed * 7919 + self.ctx.replica.index)
         self.order: list[int] = []
         self.epoch = 0
@@ -150,7 +158,7 @@ class RolloutService(Service):
         inference starts a row the moment its weight version lands, with no round trip through here."""
         cfg = self.config
         ahead = 0 if cfg.window is None else cfg.batch_size
-        while self.started < self.total:
+        while True:  # dynamic sampling can hand back started samples after the last prompt was fed
             room = min(self.total, self.allowed() + ahead) - self.started
             if room < cfg.group_size:
                 self.changed.clear()
@@ -162,7 +170,8 @@ class RolloutService(Service):
             while len(rows) < prompts * cfg.group_size:
                 index, tokens = self.next_prompt()
                 self.group_seq += 1
-                need = self.min_version(self.started + len(rows))
+                # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
+                need = self.refill.pop(0) if self.refill else self.min_version(self.started + len(rows))
                 rows += [tokens] * cfg.group_size
                 meta += [
                     {"group": self.group_seq, "prompt_id": index, "epoch": self.epoch, "min_version": need}
@@ -206,23 +215,44 @@ class RolloutService(Service):
 
     async def score(self) -> None:
         cfg = self.config
+        columns = list(cfg.score_columns())
         while True:
             batch = await self.client.claim(
-                SAMPLES, "rollout", ["prompt", "response"], cfg.batch_size, group_size=cfg.group_size,
+                SAMPLES, "rollout", columns, cfg.batch_size, group_size=cfg.group_size,
                 timeout=WATCH_S, lease=600,
             )  # fmt: skip
             if not batch:
                 continue
-            rewards, valid = self.rewards(batch, self.train_rows)
+            reward, valid = self.total_rewards(batch)
             groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
-            advantage = self.advantages(rewards, groups, valid)
-            await self.client.put(
-                SAMPLES, {"reward": rewards, "advantage": advantage, "valid": valid}, ids=batch.ids
-            )
+            keep = torch.ones(len(batch), dtype=torch.bool)
+            if cfg.dynamic_sampling:
+                keep = filters.groups_with_signal(reward, groups, valid)
+            index = keep.nonzero().squeeze(-1)
+            if len(index):
+                out = self.advantages(batch, index, reward[index], groups[index], valid[index])
+                await self.client.put(SAMPLES, out, ids=batch.ids[index.numpy()])
             await self.client.ack(batch)
-            self.scored += len(batch)
+            dropped = batch.ids[(~keep).numpy()]
+            if len(dropped):  # DAPO: no signal in these groups; feed draws new prompts in their place
+                needs = batch.meta_of("min_version", 0)
+                lost = {int(groups[i]): int(needs[i] or 0) for i in (~keep).nonzero().squeeze(-1).tolist()}
+                self.refill += list(lost.values())
+                await self.client.delete(SAMPLES, dropped)
+                self.filtered += len(dropped)
+                self.started -= len(dropped)
+                self.changed.set()
+                drawn = self.scored + self.filtered
+                if drawn >= 4 * cfg.batch_size and self.filtered > cfg.max_filtered_fraction * drawn:
+                    raise RuntimeError(
+                        f"dynamic sampling dropped {self.filtered} of {drawn} samples (max_filtered_fraction="
+                        f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
+                    )
+            self.scored += len(index)
             self.check_done()
-            self.ctx.health.info.update(scored=self.scored, failed=self.failed, skipped=self.skipped)
+            self.ctx.health.info.update(
+                scored=self.scored, failed=self.failed, skipped=self.skipped, filtered=self.filtered
+            )
             if self.scored >= 4 * cfg.group_size and self.failed > cfg.max_failed_fraction * self.scored:
                 raise RuntimeError(
                     f"{self.failed} of {self.scored} samples could not be scored (max_failed_fraction="
@@ -232,6 +262,8 @@ class RolloutService(Service):
     def rewards(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.zeros(len(batch), dtype=torch.float32)
         valid = torch.ones(len(batch), dtype=torch.bool)
+        if self.reward_fn is None:  # no rule: evaluation has nothing to measure
+            return out, valid
         responses = batch.ragged("response")
         eos = set(self.tokenizer.all_special_ids) & {self.tokenizer.eos_token_id}
         for i, (pid, tokens) in enumerate(zip(batch.meta_of("prompt_id"), responses, strict=True)):
@@ -253,15 +285,77 @@ class RolloutService(Service):
                     self.log.error("reward function failed on prompt %s:\n%s", pid, self.first_failure)
         return out, valid
 
-    def advantages(self, rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward trained on: weighted rule reward + weighted reward-model score + overlong penalty."""
         cfg = self.config
+        reward = torch.zeros(len(batch), dtype=torch.float32)
+        valid = torch.ones(len(batch), dtype=torch.bool)
+        if cfg.reward_weight > 0:
+            rule, valid = self.rewards(batch, self.train_rows)
+            reward += cfg.reward_weight * rule
+        if cfg.rm_weight > 0:
+            reward += cfg.rm_weight * batch.tensor("rm_score").float()
+        if cfg.overlong_max_len is not None:
+            lengths = batch.ragged("response").lengths
+            reward += filters.overlong_penalty(
+                lengths,
+                max_len=cfg.overlong_max_len,
+                buffer=cfg.overlong_buffer,
+                penalty=cfg.overlong_penalty,
+            )
+        return reward, valid
+
+    def advantages(
+        self,
+        batch: Batch,
+        index: torch.Tensor,
+        reward: torch.Tensor,
+        groups: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> dict[str, Any]:
+        """Columns `reward`, `advantage`, `valid` (and `returns` for gae) for rows `index` of `batch`."""
+        cfg = self.config
+        pick = index.tolist()
+        lengths = batch.ragged("response").lengths[index]
+        mask = (torch.arange(int(lengths.max()) if len(lengths) else 0)[None, :] < lengths[:, None]) & valid[
+            :, None
+        ]
+
+        def padded(name: str) -> torch.Tensor:
+            return Ragged.from_list([batch.ragged(name)[i] for i in pick], dtype=torch.float32).padded()[0]
+
+        penalty = None
+        if cfg.kl_in_reward > 0:
+            per_token = torch.where(
+                mask, kl(padded("logprobs"), padded("ref_logprobs"), cfg.kl_estimator), 0.0
+            )
+            per_sample = per_token.sum(1)
+            penalty = self.kl.coef * per_token
+            n = int(valid.sum())
+            self.kl_measured = float(per_sample[valid].mean()) if n else 0.0
+            self.kl.update(self.kl_measured, n)
+        out: dict[str, Any] = {"valid": valid}
+        if cfg.advantage == "gae":
+            rewards = adv.token_rewards(reward, mask, penalty)
+            advantage, returns = adv.gae(rewards, padded("values"), mask, gamma=cfg.gamma, lam=cfg.lam)
+            if cfg.whiten:
+                advantage = adv.whiten(advantage, mask)
+            out["advantage"] = [advantage[k, : lengths[k]] for k in range(len(pick))]
+            out["returns"] = [returns[k, : lengths[k]] for k in range(len(pick))]
+            out["reward"] = reward
+            return out
+        if penalty is not None:
+            reward = reward - penalty.sum(1)
+        out["reward"] = reward
         if cfg.advantage == "grpo":
-            return adv.grpo(rewards, groups, valid, scale=cfg.normalize_std)
-        if cfg.advantage == "dr_grpo":
-            return adv.dr_grpo(rewards, groups, valid)
-        if cfg.advantage == "rloo":
-            return adv.rloo(rewards, groups, valid)
-        return adv.reinforce_pp(rewards, valid)
+            out["advantage"] = adv.grpo(reward, groups, valid, scale=cfg.normalize_std)
+        elif cfg.advantage == "dr_grpo":
+            out["advantage"] = adv.dr_grpo(reward, groups, valid)
+        elif cfg.advantage == "rloo":
+            out["advantage"] = adv.rloo(reward, groups, valid)
+        else:
+            out["advantage"] = adv.reinforce_pp(reward, valid)
+        return out
 
     # ---------------------------------------------------------------------------------------------------
     # evaluation

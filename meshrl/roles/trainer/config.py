@@ -80,6 +80,12 @@ class TrainerConfig(ServiceConfig):
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     """Weight of the KL-to-reference loss term (needs a reference service writing ref_logprobs)."""
+    kl_target: float | None = None
+    """Adapt kl_coef towards this per-token KL (Ziegler et al. 2019); None keeps it fixed."""
+    kl_horizon: int = 10000
+    """Samples over which the adaptive coefficient moves by at most 20%."""
+    kl_metric: bool = False
+    """Read ref_logprobs and report kl_ref even when kl_coef is 0 (e.g. the KL penalty is in the reward)."""
     kl_estimator: str = "k3"
     inference: tuple[str, ...] = ("inference",)
     """Group ids of the inference services that receive each new weight version."""
@@ -112,6 +118,7 @@ class TrainerConfig(ServiceConfig):
         require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
         require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "must be > 1 (or None)")
         require(self.kl_coef >= 0 and self.entropy_coef >= 0, "kl_coef", "coefficients must be >= 0")
+        require(self.kl_target is None or self.kl_target > 0, "kl_target", "must be > 0 (or None)")
 
     @property
     def batch_size(self) -> int:
@@ -129,7 +136,7 @@ class TrainerConfig(ServiceConfig):
             "gen_s",
             "gen_batch",
         )
-        return cols + (("ref_logprobs",) if self.kl_coef > 0 else ())
+        return cols + (("ref_logprobs",) if self.kl_coef > 0 or self.kl_metric else ())
 
     def reads(self) -> Columns:
         return {SAMPLES: self.columns()}

@@ -8,6 +8,7 @@ writes the gate row; rank 0 also appends the step's metrics to <run_dir>/metrics
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrl.algorithms.filters import groups_with_signal
+from meshrl.algorithms.losses import AdaptiveKL
 from meshrl.dataplane import Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
 from meshrl.roles import GATE, SAMPLES
@@ -80,6 +83,7 @@ class TrainerService(Service):
             )
         self.version = 0
         self.nan_streak = 0
+        self.kl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.metrics_file = self.ctx.run_dir / "metrics.jsonl"
         if self.rank == 0:
             self.metrics_file.write_text("")  # a fresh run starts a fresh file
@@ -164,12 +168,17 @@ class TrainerService(Service):
             batch.ragged("prompt"),
             batch.ragged("response"),
             batch.ragged("logprobs"),
-            batch.tensor("advantage"),
+            batch["advantage"],
             batch.tensor("valid"),
             ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
             stale=batch.tensor("version")[:, 0] < self.version,
         )
+        if cfg.kl_target is not None:
+            cfg = dataclasses.replace(cfg, kl_coef=self.kl.coef)
         stats = self.engine.update_policy(packed, cfg)
+        if cfg.kl_target is not None:
+            stats["kl_coef"] = cfg.kl_coef
+            self.kl.update(stats["kl_ref"], int(keep.sum()) * self.world)
         if stats["nan_skipped"]:
             self.nan_streak += 1
             self.log.warning("update skipped: non-finite loss or gradient (%d in a row)", self.nan_streak)
@@ -228,6 +237,7 @@ class TrainerService(Service):
                 float(reward.sum()), float((reward**2).sum()), float(len(reward)), float((~rows["valid"]).sum()),
                 float(adv.sum()), float((adv**2).sum()), float(lengths.sum()), float(len(lengths)),
                 float(stale.sum()), float(len(stale)), float(rows["dropped"].sum()), float(rows["continued"].sum()),
+                float((~groups_with_signal(rows["reward"], rows["group"], rows["valid"])).sum()),
             ],
             dtype=torch.float64,
         )  # fmt: skip
@@ -241,7 +251,9 @@ class TrainerService(Service):
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         if self.rank != 0:
             return
-        r_sum, r_sq, r_n, failed, a_sum, a_sq, l_sum, l_n, s_sum, s_n, dropped, continued = sums.tolist()
+        r_sum, r_sq, r_n, failed, a_sum, a_sq, l_sum, l_n, s_sum, s_n, dropped, continued, flat = (
+            sums.tolist()
+        )
         len_max, adv_max, gen_s, stale_max = maxes.tolist()  # gen_s: ranks may share inference batches
         mean, a_mean = r_sum / max(r_n, 1), a_sum / max(r_n, 1)
         merged = {k: sum(x[k] for x in stats) / len(stats) for k in stats[0]} if stats else {}
@@ -264,6 +276,7 @@ class TrainerService(Service):
             "staleness_mean": s_sum / max(s_n, 1),
             "staleness_max": stale_max,
             "dropped_stale": dropped,
+            "no_signal_fraction": flat / max(l_n, 1),
             "continued": continued,
             **{k: v for k, v in merged.items() if not k.startswith("time/")},
             "time/step_s": step_s,
@@ -297,14 +310,25 @@ def summarize(batch: Batch, version: int) -> dict[str, torch.Tensor]:
     versions = batch.tensor("version")
     return {
         "reward": batch.tensor("reward").clone(),
-        "advantage": batch.tensor("advantage").clone(),
+        "advantage": _row_means(batch["advantage"]),
         "valid": batch.tensor("valid").bool().clone(),
         "length": batch.ragged("response").lengths.clone(),
         "gen_s": batch.tensor("gen_s").clone(),
         "gen_batch": batch.tensor("gen_batch").clone(),
         "staleness": version - versions[:, 0],
         "continued": versions[:, 1] != versions[:, 0],
+        "group": torch.tensor(batch.meta_of("group", -1), dtype=torch.int64),
     }
+
+
+def _row_means(value: torch.Tensor | Ragged) -> torch.Tensor:
+    """One number per row: the value itself, or the mean over the row's tokens for a ragged column."""
+    if not isinstance(value, Ragged):
+        return value.clone()
+    sums = torch.zeros(len(value), dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(value)), value.lengths), value.values.double()
+    )
+    return (sums / value.lengths.clamp_min(1)).float()
 
 
 def _pick(value: torch.Tensor | Ragged, index: list[int]) -> torch.Tensor | Ragged:

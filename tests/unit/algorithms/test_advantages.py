@@ -114,3 +114,25 @@ def test_whiten_masked() -> None:
     # valid 1, 2, 3, 6: mean 3, population std sqrt(3.5)
     expected = torch.tensor([[-1.0690450, -0.5345225, 0.0], [0.0, 1.6035675, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(whiten(x, mask), expected, atol=1e-6, rtol=0)
+
+
+def test_token_rewards_put_the_outcome_on_the_last_token_and_the_penalty_everywhere() -> None:
+    from meshrl.algorithms.advantages import token_rewards
+
+    mask = torch.tensor([[T_, T_, T_], [T_, F_, F_], [F_, F_, F_]])
+    out = token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 1.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    penalty = torch.full((3, 3), 0.5)
+    out = token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask, penalty)
+    torch.testing.assert_close(out, torch.tensor([[-0.5, -0.5, 0.5], [1.5, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_gae_on_token_rewards_with_gamma_one_and_lambda_one_is_reward_to_go_minus_value() -> None:
+    from meshrl.algorithms.advantages import token_rewards
+
+    mask = torch.tensor([[T_, T_, T_]])
+    rewards = token_rewards(torch.tensor([1.0]), mask, torch.full((1, 3), 0.1))
+    values = torch.tensor([[0.3, 0.2, 0.1]])
+    advantages, returns = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(returns, torch.tensor([[0.7, 0.8, 0.9]]))
+    torch.testing.assert_close(advantages, torch.tensor([[0.4, 0.6, 0.8]]))

@@ -263,3 +263,45 @@ def test_tis_is_truncated_reinforce():
     assert logp.grad is not None
     assert logp.grad[0].tolist() == pytest.approx([-1.0 * 2.0 / 2, -2.0 * 2.0 / 2])
     assert out.metrics["is_truncated_fraction"] == pytest.approx(0.5)
+
+
+def test_value_loss_clips_both_sides_and_ignores_masked_tokens():
+    from meshrl.algorithms.losses import value_loss
+
+    old = torch.tensor([[0.0, 0.0, 0.0, 5.0]])
+    new = torch.tensor([[0.5, -0.5, 0.1, 99.0]], requires_grad=True)
+    ret = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    loss, metrics = value_loss(new, old, ret, mask, clip=0.2)
+    # token 0: unclipped (0.5-1)^2=0.25, clipped (0.2-1)^2=0.64 -> 0.64 (clipping would help: it is taken)
+    # token 1: unclipped 0.25, clipped (-0.2)^2=0.04 -> 0.25; token 2: inside the band, 0.01 both ways
+    torch.testing.assert_close(loss, torch.tensor(0.5 * (0.64 + 0.25 + 0.01) / 3))
+    assert metrics["value_clip_fraction"] == pytest.approx(1 / 3)
+    loss.backward()
+    assert new.grad is not None
+    # the clipped term of token 0 does not depend on the new value; masked token 3 gets nothing
+    assert new.grad[0, 0] == 0 and new.grad[0, 3] == 0 and new.grad[0, 1] != 0
+    plain, _ = value_loss(new, old, ret, mask, clip=None)
+    torch.testing.assert_close(plain, torch.tensor(0.5 * (0.25 + 0.25 + 0.01) / 3))
+
+
+def test_value_loss_explained_variance():
+    from meshrl.algorithms.losses import value_loss
+
+    ret = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    _, perfect = value_loss(ret.clone(), ret.clone(), ret, mask, clip=None)
+    _, constant = value_loss(torch.full((1, 4), 2.5), ret, ret, mask, clip=None)
+    assert perfect["explained_variance"] == pytest.approx(1.0)
+    assert constant["explained_variance"] == pytest.approx(0.0)
+
+
+def test_adaptive_kl_moves_towards_the_target_by_at_most_twenty_percent():
+    from meshrl.algorithms.losses import AdaptiveKL
+
+    ctl = AdaptiveKL(0.1, target=1.0, horizon=100)
+    assert ctl.update(1.5, 10) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error 0.5 clipped to 0.2
+    ctl = AdaptiveKL(0.1, target=1.0, horizon=100)
+    assert ctl.update(0.9, 50) == pytest.approx(0.1 * (1 - 0.1 * 0.5))
+    fixed = AdaptiveKL(0.1, target=None)
+    assert fixed.update(10.0, 1000) == 0.1

@@ -1,0 +1,96 @@
+"""Configuration of the critic service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.roles import SAMPLES
+
+if TYPE_CHECKING:
+    from meshrl.recipe import Recipe, ServiceGroup
+
+VALUES_CONSUMER = "critic-values"
+TRAIN_CONSUMER = "critic"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig(ServiceConfig):
+    """A value model with its own optimizer and weight version. It writes `values` (one per response
+    token) for new samples and trains on the `returns` rollout computes from them (GAE)."""
+
+    service = "meshrl.roles.critic.service:CriticService"
+
+    model: str
+    """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic."""
+    loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    prompts_per_step: int = 16
+    """Must equal the rollout's."""
+    group_size: int = 8
+    """Must equal the rollout's."""
+    lr: float = 1e-5
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    mini_batches: int = 1
+    """Optimizer steps per batch of samples (one critic version)."""
+    epochs: int = 1
+    """Optimizer steps over each mini-batch."""
+    micro_batch: int = 32
+    """Rows per forward/backward."""
+    value_clip: float | None = 0.2
+    """Clip of the value update around the values the advantages used (None: plain squared error)."""
+    max_batch: int = 64
+    """Rows per claim of new samples to compute values for."""
+    save_final: bool = True
+    """Save the critic (HF token-classification checkpoint) in <run_dir>/critic at the end."""
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "lr", "must be > 0")
+        require(self.mini_batches >= 1 and self.epochs >= 1, "mini_batches", "mini_batches, epochs >= 1")
+        require(self.micro_batch >= 1 and self.max_batch >= 1, "micro_batch", "batch sizes must be >= 1")
+        require(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 (or None)")
+        require(
+            (self.prompts_per_step * self.group_size) % self.mini_batches == 0,
+            "mini_batches",
+            "must divide prompts_per_step * group_size",
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def reads(self) -> Columns:
+        return {SAMPLES: ("prompt", "response", "values", "returns", "valid")}
+
+    def writes(self) -> Columns:
+        return {SAMPLES: ("values",)}
+
+    def retention(self) -> Columns:
+        return {SAMPLES: (TRAIN_CONSUMER,)}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        from meshrl.roles.rollout.config import RolloutConfig
+
+        problems = []
+        if not Path(self.model).exists():
+            problems.append(f"model: path {self.model!r} does not exist")
+        if group.replicas != 1 or group.devices_per_replica > 1:
+            problems.append("replicas/devices_per_replica: the critic runs as one replica on one device")
+        for g in recipe.groups:
+            if isinstance(g.config, RolloutConfig):
+                if (g.config.prompts_per_step, g.config.group_size) != (
+                    self.prompts_per_step,
+                    self.group_size,
+                ):
+                    problems.append(f"prompts_per_step/group_size: must equal {g.id}'s")
+                if g.config.advantage != "gae":
+                    problems.append(
+                        f"{g.id}.advantage is {g.config.advantage!r}: a critic is only used by 'gae'"
+                    )
+        return problems

@@ -1,0 +1,192 @@
+"""The critic service: values for new samples, and a value model trained on the returns.
+
+Two claims on one asyncio client, served one at a time on one model:
+- values (consumer "critic-values"): new samples (prompt + response). Like inference, each row's
+  `min_version` says which critic version it needs: the critic's version counts its completed batches
+  (one per trainer step), so at window 1 the values of step n's samples come from the critic trained
+  on steps 0..n-1, exactly as in synchronous PPO. Rows whose version is not there yet stay claimed.
+- train (consumer "critic"): rows whose `returns` rollout has written; every `batch_size / mini_batches`
+  rows are one optimizer step (`epochs` of them) of the clipped value loss. Metrics per critic version
+  go to <run_dir>/critic.jsonl.
+Batch v (the critic's version) is trained on only once every sample of it has its values, so values
+are never computed by weights half-way through an update of their own batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import Any
+
+import torch
+
+from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
+from meshrl.roles import SAMPLES
+from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
+from meshrl.service import WATCH_S, Service
+
+LEASE_S = 600.0
+
+
+class CriticService(Service):
+    def setup(self) -> None:
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        optim = OptimConfig(
+            lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps,
+            total_steps=self.ctx.recipe.total_steps * cfg.mini_batches * cfg.epochs,
+            weight_decay=cfg.weight_decay, betas=cfg.betas, grad_clip=cfg.grad_clip,
+        )  # fmt: skip
+        self.engine = FSDPEngine(
+            cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs,
+            seed=self.ctx.recipe.seed, head="value",
+        )  # fmt: skip
+        self.version = 0
+        self.minibatches = 0
+        self.valued = 0
+        self.stats: list[dict[str, float]] = []
+        self.metrics_file = self.ctx.run_dir / "critic.jsonl"
+        self.metrics_file.write_text("")
+        self.last = time.perf_counter()
+
+    @property
+    def config(self) -> CriticConfig:
+        cfg = self.ctx.config
+        assert isinstance(cfg, CriticConfig)
+        return cfg
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+        if self.config.save_final:
+            self.engine.save_pretrained(str(self.ctx.run_dir / "critic"), tokenizer_from=self.config.model)
+
+    async def serve(self) -> None:
+        cfg = self.config
+        client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
+        n = cfg.batch_size // cfg.mini_batches
+        train_cols = ["prompt", "response", "values", "returns", "valid"]
+
+        def claim_values() -> asyncio.Task[Batch]:
+            return asyncio.create_task(
+                client.claim(
+                    SAMPLES,
+                    VALUES_CONSUMER,
+                    ["prompt", "response"],
+                    cfg.max_batch,
+                    timeout=WATCH_S,
+                    lease=LEASE_S,
+                )
+            )
+
+        def claim_train() -> asyncio.Task[Batch]:
+            return asyncio.create_task(
+                client.claim(SAMPLES, TRAIN_CONSUMER, train_cols, n, min_n=n, timeout=WATCH_S, lease=LEASE_S)
+            )
+
+        run_over = asyncio.create_task(self.watch_run(client))
+        values, train = claim_values(), claim_train()
+        parked: list[tuple[Batch, list[int], float]] = []
+        held: Batch | None = None  # a training mini-batch waiting for its batch's values to be complete
+        try:
+            while not run_over.done():
+                waiting = [values, run_over] + ([train] if held is None else [])
+                await asyncio.wait(waiting, return_when="FIRST_COMPLETED")
+                if values.done():
+                    batch = values.result()
+                    if batch:
+                        parked.append((batch, list(range(len(batch))), time.monotonic()))
+                    values = claim_values()
+                parked = await self.serve_values(client, parked)
+                if held is None and train.done():
+                    held = train.result() or None
+                    if held is None:
+                        train = claim_train()
+                # Synchronous PPO computes a batch's values before any update on it: train on batch v
+                # (this critic's version) only once every sample of it has its values.
+                if held is not None and self.valued >= (self.version + 1) * cfg.batch_size:
+                    await asyncio.to_thread(self.train, held)
+                    await client.ack(held)
+                    held = None
+                    train = claim_train()
+                    parked = await self.serve_values(client, parked)
+            run_over.result()
+        finally:
+            for task in (values, train, run_over):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await client.close()
+
+    async def serve_values(
+        self, client: AsyncClient, parked: list[tuple[Batch, list[int], float]]
+    ) -> list[tuple[Batch, list[int], float]]:
+        """Write values for the parked rows the current critic version may serve; keep the others."""
+        still = []
+        for batch, rows, since in parked:
+            needs = batch.meta_of("min_version", 0)
+            ready = [i for i in rows if int(needs[i] or 0) <= self.version]
+            later = [i for i in rows if int(needs[i] or 0) > self.version]
+            if ready:
+                columns = await asyncio.to_thread(self.values, batch, ready)
+                ids = batch.ids[ready]
+                await client.put(SAMPLES, columns, ids=ids)
+                await client.ack(batch, None if not later and len(ready) == len(batch) else ids)
+                self.valued += len(ready)
+            if later:
+                if time.monotonic() - since > LEASE_S / 3:
+                    await client.renew(batch, LEASE_S)
+                    since = time.monotonic()
+                still.append((batch, later, since))
+        return still
+
+    def values(self, batch: Batch, rows: list[int]) -> dict[str, Any]:
+        prompts = Ragged.from_list([batch.ragged("prompt")[i] for i in rows])
+        responses = Ragged.from_list([batch.ragged("response")[i] for i in rows])
+        packed = pack(
+            prompts, responses, None, torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
+        )
+        v = self.engine.compute_values(packed, self.config.micro_batch)
+        return {"values": [v[k][packed.mask[k]] for k in range(len(rows))]}
+
+    def train(self, batch: Batch) -> None:
+        cfg = self.config
+        valid = batch.tensor("valid").bool()
+        packed = pack(
+            batch.ragged("prompt"), batch.ragged("response"), None, torch.zeros(len(batch)), valid,
+            values=batch.ragged("values"), returns=batch.ragged("returns"),
+        )  # fmt: skip
+        assert packed.values is not None and packed.returns is not None
+        m = packed.mask
+        returns, old = packed.returns[m].double(), packed.values[m].double()
+        var = float(returns.var(unbiased=False)) if len(returns) > 1 else 0.0
+        explained = 1.0 - float((returns - old).var(unbiased=False)) / var if var > 0 else 0.0
+        stats = self.engine.update_value(packed, cfg)
+        self.stats.append(
+            {
+                **stats,
+                "explained_variance": explained,
+                "returns_mean": float(returns.mean()) if len(returns) else 0.0,
+            }
+        )
+        self.minibatches += 1
+        if self.minibatches % cfg.mini_batches == 0:
+            self.version += 1
+            self.record()
+
+    def record(self) -> None:
+        stats, self.stats = self.stats, []
+        row: dict[str, Any] = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
+            row[key] = sum(s[key] for s in stats)
+        now = time.perf_counter()
+        row = {"version": self.version, **row, "time/step_s": now - self.last, "valued": self.valued}
+        self.last = now
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.ctx.health.info.update(version=self.version, valued=self.valued)
+        if row["nan_skipped"] >= len(stats) * self.config.epochs:  # not one step of this version counted
+            raise FloatingPointError("every critic update of a batch had a non-finite loss or gradient")

@@ -1,0 +1,53 @@
+"""The reference service: `ref_logprobs` for every response token, from a frozen causal LM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshrl.algorithms.losses import token_logprobs
+from meshrl.dataplane import Batch, Ragged
+from meshrl.roles.reference.config import ReferenceConfig
+from meshrl.roles.scorer import ScorerService, right_padded, token_batches
+
+
+class ReferenceService(ScorerService):
+    def load(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.ctx.config
+        assert isinstance(cfg, ReferenceConfig)
+        self.temperature = cfg.temperature
+        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model, **cfg.loader_kwargs)
+        self.model = model.to(self.ctx.device).eval()
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+
+    def score(self, batch: Batch) -> dict[str, Any]:
+        lp = response_logprobs(
+            self.model, batch.ragged("prompt"), batch.ragged("response"), temperature=self.temperature,
+            max_tokens=self.config.max_tokens, pad_id=self.pad_id, device=self.ctx.device,
+        )  # fmt: skip
+        return {"ref_logprobs": lp}
+
+
+def response_logprobs(
+    model: Any,
+    prompts: Ragged,
+    responses: Ragged,
+    *,
+    temperature: float = 1.0,
+    max_tokens: int = 8192,
+    pad_id: int = 0,
+    device: torch.device | str = "cpu",
+) -> Ragged:
+    """Log-probability of every response token given its prompt and the response before it."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    for index in token_batches(prompts.lengths + responses.lengths, max_tokens):
+        inputs = {k: v.to(device) for k, v in right_padded(prompts, responses, index, pad_id).items()}
+        logits = model(**inputs).logits[:, :-1]
+        lp = token_logprobs(logits, inputs["input_ids"][:, 1:], temperature=temperature).float().cpu()
+        for k, i in enumerate(index.tolist()):
+            start = len(prompts[i]) - 1  # the position predicting the first response token
+            out[i] = lp[k, start : start + len(responses[i])].clone()
+    return Ragged.from_list(out, dtype=torch.float32)

@@ -1,0 +1,122 @@
+"""Services that add columns to sample rows with a frozen model: the reference and the reward model.
+
+Each is the same loop over the data plane: claim up to `max_batch` rows of `samples` that have the
+columns it needs (replicas share the work under the group's consumer name), compute its column on the
+rows in forwards of at most `max_tokens` padded tokens, write it into the same rows, acknowledge. The
+trainer, whose claim lists that column, only ever sees rows that have it; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshrl.dataplane import Batch, Ragged
+from meshrl.recipe import ServiceConfig, require
+from meshrl.roles import SAMPLES
+from meshrl.service import Service
+
+LEASE_S = 300.0  # a replica that dies gives its claimed rows back after this long
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScorerConfig(ServiceConfig):
+    model: str
+    """Local path of the frozen model."""
+    loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to from_pretrained."""
+    max_batch: int = 64
+    """Rows per claim."""
+    max_tokens: int = 8192
+    """Padded tokens per forward (rows are sorted by length and packed up to this budget)."""
+    threads: int = 0
+    """torch threads (0: leave the default)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_batch >= 1, "max_batch", "must be >= 1")
+        require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+
+
+def token_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """Row indices in chunks whose padded size (rows x longest row) stays within `max_tokens`; rows of
+    similar length go together (longest first). A row longer than the budget gets a chunk of its own."""
+    order = torch.argsort(lengths, descending=True).tolist()
+    chunks: list[list[int]] = []
+    for i in order:
+        if chunks and (len(chunks[-1]) + 1) * int(lengths[chunks[-1][0]]) <= max_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return [torch.tensor(c) for c in chunks]
+
+
+def right_padded(
+    prompts: Ragged, responses: Ragged, index: torch.Tensor, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """input_ids and attention_mask [n, L] of prompt + response for rows `index`, right-padded."""
+    rows = [torch.cat([prompts[i], responses[i]]) for i in index.tolist()]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for k, r in enumerate(rows):
+        ids[k, : len(r)] = r
+        attn[k, : len(r)] = 1
+    return {"input_ids": ids, "attention_mask": attn}
+
+
+class ScorerService(Service):
+    """Subclasses set `needs` and implement `load()` and `score(batch) -> columns`."""
+
+    needs: tuple[str, ...] = ("prompt", "response")
+
+    def setup(self) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        self.client = self.ctx.client()
+        self.scored = 0
+        self.load()
+
+    @property
+    def config(self) -> ScorerConfig:
+        cfg = self.ctx.config
+        assert isinstance(cfg, ScorerConfig)
+        return cfg
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def score(self, batch: Batch) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        cfg = self.config
+        stream = self.client.stream(
+            SAMPLES,
+            self.ctx.replica.group,
+            self.needs,
+            cfg.max_batch,
+            poll=1.0,
+            lease=LEASE_S,
+            skip_empty=False,
+        )
+        try:
+            for batch in stream:
+                if not batch:
+                    if self.finished():
+                        return
+                    continue
+                with torch.no_grad():
+                    columns = self.score(batch)
+                self.client.put(SAMPLES, columns, ids=batch.ids)
+                self.client.ack(batch)
+                self.scored += len(batch)
+                self.ctx.health.info["scored"] = self.scored
+        finally:
+            stream.close()
+
+    def close(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        super().close()

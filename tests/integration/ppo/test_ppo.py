@@ -1,0 +1,86 @@
+"""PPO through real services: actor, critic, reference and reward model only add columns to the rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.grpo.test_grpo import REPO, rows, run
+
+PPO = str(REPO / "recipes" / "ppo_arith.py")
+EVEN = "rollout.reward=tests.integration.ppo.rewards:even_first_digit"
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def test_ppo_is_reproducible_and_every_service_adds_its_column(tmp_path, arith_model):
+    """Two runs with one seed agree to the last bit: the critic's values for step n's samples come
+    from the critic trained on steps 0..n-1 in both, whatever the processes' timing."""
+    out = []
+    for name in ("a", "b"):
+        r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / name}", "total_steps=5",
+                "rollout.eval_every=0", recipe=PPO)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        out.append((rows(tmp_path / name / "metrics.jsonl"), rows(tmp_path / name / "critic.jsonl")))
+    (actor, critic), (actor2, critic2) = out
+    assert [m["step"] for m in actor] == list(range(5)) and [c["version"] for c in critic] == [1, 2, 3, 4, 5]
+    for x, y in zip(actor, actor2, strict=True):
+        assert (x["reward_mean"], x["loss"], x["kl_ref"]) == (y["reward_mean"], y["loss"], y["kl_ref"])
+    assert [c["value_loss"] for c in critic] == [c["value_loss"] for c in critic2]
+    assert actor[0]["kl_ref"] < 0.05  # the first mini-batch starts from the reference's own weights
+    assert all(c["valued"] >= 128 * c["version"] for c in critic)
+    assert (tmp_path / "a" / "critic" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_ppo_learns_a_reward_the_critic_can_read_and_drifts_from_the_reference(tmp_path, arith_model):
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=30",
+            "rollout.eval_every=0", EVEN, "critic.lr=1e-4", recipe=PPO)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor, critic = rows(tmp_path / "run" / "metrics.jsonl"), rows(tmp_path / "run" / "critic.jsonl")
+    first, last = mean([m["reward_mean"] for m in actor[:5]]), mean([m["reward_mean"] for m in actor[-5:]])
+    assert last >= first + 0.2, (first, last)
+    kl = [m["kl_ref"] for m in actor]
+    assert kl[0] < 0.05 and mean(kl[-5:]) > 2 * max(kl[0], 0.005), kl
+    loss = [c["value_loss"] for c in critic]
+    assert mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
+    # the critic follows the value of the improving policy (explained variance is no measure here: the
+    # returns' variance collapses as the policy converges)
+    assert abs(mean([c["values_mean"] - c["returns_mean"] for c in critic[-5:]])) < 0.1
+
+
+@pytest.mark.slow
+def test_ppo_improves_arithmetic(tmp_path, arith_model):
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=100", recipe=PPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = rows(tmp_path / "run" / "metrics.jsonl")
+    first, last = mean([m["reward_mean"] for m in actor[:10]]), mean([m["reward_mean"] for m in actor[-10:]])
+    assert last >= first + 0.1, (first, last)
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["sampled_accuracy"] > evals[0]["sampled_accuracy"]
+
+
+def test_adding_a_reference_to_grpo_changes_only_the_recipe(tmp_path, arith_model):
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=4",
+            "rollout.eval_every=0", recipe=str(REPO / "recipes" / "grpo_arith_kl.py"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = rows(tmp_path / "run" / "metrics.jsonl")
+    assert actor[0]["kl_ref"] < 0.05 and actor[-1]["kl_ref"] > actor[0]["kl_ref"], [
+        m["kl_ref"] for m in actor
+    ]
+
+
+def test_reward_model_scores_are_what_rollout_trains_on(tmp_path, arith_model):
+    from meshrl.models.tiny import build_tiny_model
+
+    rm = build_tiny_model(tmp_path / "rm", reward_model=True, seed=5)
+    r = run(tmp_path, f"*.model={arith_model}", f"reward_model.model={rm}", f"run_dir={tmp_path / 'run'}",
+            "total_steps=3", "rollout.eval_every=0", recipe=str(REPO / "recipes" / "ppo_rm.py"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = rows(tmp_path / "run" / "metrics.jsonl")
+    # a random reward model scores every completion differently; the rule's rewards are only 0 or 1
+    assert all(m["reward_std"] > 0 for m in actor)
+    assert any(abs(m["reward_mean"] * 128 - round(m["reward_mean"] * 128)) > 1e-3 for m in actor)
