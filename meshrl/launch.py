@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrl import checkpoint as ckpt
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.service import CONTROL, FAILED
@@ -87,8 +89,14 @@ class Launcher:
             raise RecipeError(
                 ["dataplane.bind_all: a run over several hosts must set it (the secret protects it)"]
             )
+        self.resume = os.environ.get("MESHRL_RESUME") or None
         if self.rank == 0:
+            (self.run_dir / "failure.json").unlink(missing_ok=True)
+            if self.resume is None:  # a fresh start: nothing of an earlier run may be resumed or counted
+                shutil.rmtree(ckpt.root(self.run_dir), ignore_errors=True)
+                (self.run_dir / "ledger.jsonl").unlink(missing_ok=True)
             self._write_run_files(recipe, topology)
+        self.groups = {p.name: p.group for r in topology.replicas for p in r.processes}
         secret = self._secret(recipe, topology)
         controller = self._start_dataplane(recipe, topology, address, secret)
         env = self._service_env(recipe, devices, controller, secret)
@@ -134,12 +142,15 @@ class Launcher:
             controller = f"tcp://{address[topology.controller_host]}:{topology.controller_port}"
         env = {**os.environ, **({"MESHRL_SECRET": secret} if secret else {})}
         serve = [sys.executable, "-m", "meshrl.dataplane.serve", "--log-level", "INFO"]
+        if self.resume is not None:
+            serve += ["--restore", str(Path(self.resume) / "dataplane")]
         started: list[tuple[Child, Path]] = []
         if self.rank == 0:
             ready = self.run_dir / "controller.ready"
             ready.unlink(missing_ok=True)
             bind = f"tcp://{bind_host}:{topology.controller_port}"
-            args = ["--no-storage", "--controller", bind, "--ready-file", str(ready)]
+            args = ["--no-storage", "--controller", bind, "--ready-file", str(ready),
+                    "--ledger", str(self.run_dir / "ledger.jsonl")]  # fmt: skip
             started.append((Child("controller", [*serve, *args], self.logs / "controller.log", env), ready))
         for host, rank, port in topology.storage:  # storage servers wait for the controller themselves
             if rank == self.rank:
@@ -239,6 +250,17 @@ class Launcher:
 
     def _fail(self, child: Child, controller: str, secret: str | None) -> int:
         code = child.poll()
+        failure = {
+            "service": child.name,
+            "group": self.groups.get(child.name),
+            "code": code,
+            "rank": self.rank,
+        }
+        try:  # the first failure is the one `meshrl run` acts on (a restart policy)
+            with open(self.run_dir / "failure.json", "x") as f:
+                json.dump(failure, f)
+        except FileExistsError:
+            pass
         print(
             f"\n[meshrl] service {child.name} failed (exit code {code}, rank {self.rank}, pid {child.pid}); "
             f"last lines of {child.log_path}:\n{_indent(child.tail())}\n",

@@ -44,6 +44,8 @@ class ServiceConfig:
     """Base of every service's config. A subclass names the class that runs it by import path."""
 
     service: ClassVar[str] = ""  # "package.module:Class" of the Service subclass
+    stateful: ClassVar[bool] = False
+    """Takes part in checkpoints (saves its own state when the trainer asks; see meshrl/checkpoint.py)."""
 
     def reads(self) -> Columns:
         """Columns this service consumes, per partition."""
@@ -135,9 +137,15 @@ class Recipe:
     base_port: int = 29600
     """Every port of the run follows from this and each process's device (see topology.py)."""
     dataplane: DataPlaneConfig = DataPlaneConfig()
+    checkpoint_every: int = 0
+    """Checkpoint the whole run every this many steps (0: never); see meshrl/checkpoint.py."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (older ones are deleted once a newer one is complete)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            problems.append("checkpoint_every: must be >= 0, keep_checkpoints >= 1")
         if not self.groups:
             problems.append("groups: a recipe needs at least one service group")
         ids = [g.id for g in self.groups]

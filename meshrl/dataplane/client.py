@@ -83,7 +83,9 @@ class _Core:
         return P.Hello(client=self.name, host=self.host, pid=os.getpid())
 
     def on_hello(self, reply: P.HelloReply) -> None:
-        self.pool = SegmentPool(reply.shm_dir, f"meshrl-{reply.run}-{self.name}")
+        # the pid keeps a restarted process (same client name, restored run) clear of its predecessor's
+        # segments, which a restored data plane may still hold
+        self.pool = SegmentPool(reply.shm_dir, f"meshrl-{reply.run}-{self.name}-{os.getpid()}")
         self.maps = MapCache(reply.shm_dir)
         self.storages = dict(reply.storages)
 

@@ -30,6 +30,7 @@ import zmq
 
 from meshrl.dataplane import protocol as P
 from meshrl.dataplane import snapshot as snap
+from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.rpc import Connection, RpcServer
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.table import Consumer, Partition, SegmentInfo, TableError
@@ -67,6 +68,7 @@ class Controller:
         shm_dir: str = DEFAULT_SHM_DIR,
         restore: str | Path | None = None,
         run: str | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.ctx = zmq.Context()  # only for talking to storage servers
         self.server = RpcServer(endpoint, secret, self._dispatch)
@@ -93,6 +95,7 @@ class Controller:
         self._stop = threading.Event()
         self._waiting_hosts: set[str] = set()
         self._deferred: list[tuple[Connection, bytes, bytes]] = []
+        self.ledger = ledger
         if restore is not None:
             self._waiting_hosts = snap.load_controller(self, Path(restore))
             log.info("restored from %s; waiting for storage on %s", restore, sorted(self._waiting_hosts))
@@ -180,7 +183,12 @@ class Controller:
         if isinstance(msg, P.Ack):
             part = self._partition(msg.partition)
             c = self._consumer_of(part, msg.consumer)
-            n, due = part.ack(c, msg.claim, None if msg.ids is None else P.int64s(msg.ids, "ids"))
+            ids = None if msg.ids is None else P.int64s(msg.ids, "ids")
+            lease = c.leases.get(msg.claim)
+            n, due = part.ack(c, msg.claim, ids)
+            if self.ledger is not None and self.ledger.tracks(part.name) and lease is not None:
+                acked = ids if ids is not None else np.concatenate([ch.ids for ch in lease.chunks])
+                self.ledger.ack(part.name, c.name, acked)
             if len(due):
                 self._delete(part, due)
             return P.Ok(n) if msg.reply else None
@@ -205,6 +213,8 @@ class Controller:
             part = self._partition(msg.partition)
             ids = P.int64s(msg.ids, "ids")
             slots = part.slots_of(ids, strict=False)
+            if self.ledger is not None and self.ledger.tracks(part.name):
+                self.ledger.delete(part.name, ids[slots >= 0])
             return P.Ok(self._delete(part, np.unique(slots[slots >= 0])))
         if isinstance(msg, P.CreatePartition):
             return self._create(msg)
@@ -303,6 +313,8 @@ class Controller:
             self.segments[index] = info
             self.seg_by_name[msg.segment.name] = index
         if msg.ids is None:
+            if self.ledger is not None and self.ledger.tracks(part.name):
+                self.ledger.put(part.name, self.next_id, msg.n)
             self.next_id += msg.n
         info.refs += refs
         client = self.clients.get(msg.client)

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from meshrl.dataplane.controller import Controller
+from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.storage import Storage
 
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shm-dir", default=DEFAULT_SHM_DIR)
     ap.add_argument("--restore", default=None, help="snapshot directory to restore from")
     ap.add_argument("--ready-file", default=None)
+    ap.add_argument("--ledger", default=None, help="append the sample ledger to this file")
+    ap.add_argument("--ledger-partitions", default="samples", help="comma-separated partitions to track")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -43,7 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     servers: list[Controller | Storage] = []
     ready: dict[str, str] = {}
     if not args.storage_only:
-        ctl = Controller(args.controller, secret=secret, shm_dir=args.shm_dir, restore=args.restore)
+        ledger = Ledger(args.ledger, args.ledger_partitions.split(",")) if args.ledger else None
+        ctl = Controller(
+            args.controller, secret=secret, shm_dir=args.shm_dir, restore=args.restore, ledger=ledger
+        )
         servers.append(ctl)
         ready["controller"] = ctl.endpoint
         threading.Thread(target=ctl.serve_forever, name="controller", daemon=True).start()

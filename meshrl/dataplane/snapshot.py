@@ -8,6 +8,7 @@ ready again, so a consumer that died between claim and ack loses nothing. Everyt
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import deque
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 FORMAT = 1
 CONTROLLER_FILE = "controller.msgpack"
+LEDGER_FILE = "ledger.json"
 
 
 class ColumnState(msgspec.Struct):
@@ -118,6 +120,8 @@ def save(ctl: Controller, path: Path) -> None:
         if isinstance(reply, P.Error):
             raise RuntimeError(f"storage on {host} failed to save segments: {reply.message}")
     state = ControllerState(FORMAT, ctl.run, ctl.next_id, ctl.next_claim, refs, parts)
+    if ctl.ledger is not None:  # the ledger's length at this instant: a restore cuts it back to here
+        (path / LEDGER_FILE).write_text(json.dumps({"offset": ctl.ledger.offset()}))
     tmp = path / (CONTROLLER_FILE + ".tmp")
     with open(tmp, "wb") as f:
         f.write(msgspec.msgpack.encode(state))
@@ -135,6 +139,8 @@ def load_controller(ctl: Controller, path: Path) -> set[str]:
     if state.format != FORMAT:
         raise ValueError(f"snapshot format {state.format} is not {FORMAT}")
     ctl.run = state.run
+    if ctl.ledger is not None and (path / LEDGER_FILE).exists():
+        ctl.ledger.truncate(int(json.loads((path / LEDGER_FILE).read_text())["offset"]))
     ctl.next_id = state.next_id
     ctl.next_claim = state.next_claim
     for i, ref in enumerate(state.segments):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshrl.checkpoint import CHECKPOINT_ACKS
 from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
 
@@ -22,6 +23,7 @@ class CriticConfig(ServiceConfig):
     token) for new samples and trains on the `returns` rollout computes from them (GAE)."""
 
     service = "meshrl.roles.critic.service:CriticService"
+    stateful = True
 
     model: str
     """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic."""
@@ -69,7 +71,7 @@ class CriticConfig(ServiceConfig):
         return {SAMPLES: ("prompt", "response", "values", "returns", "valid")}
 
     def writes(self) -> Columns:
-        return {SAMPLES: ("values",)}
+        return {SAMPLES: ("values",), CHECKPOINT_ACKS: ("step",)}
 
     def retention(self) -> Columns:
         return {SAMPLES: (TRAIN_CONSUMER,)}

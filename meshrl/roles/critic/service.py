@@ -18,10 +18,12 @@ import asyncio
 import contextlib
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshrl import checkpoint as ckpt
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
 from meshrl.roles import SAMPLES
@@ -50,8 +52,12 @@ class CriticService(Service):
         self.valued = 0
         self.stats: list[dict[str, float]] = []
         self.metrics_file = self.ctx.run_dir / "critic.jsonl"
-        self.metrics_file.write_text("")
         self.last = time.perf_counter()
+        resume = ckpt.resume_dir()
+        if resume is not None:
+            self.load_state(resume)
+        else:
+            self.metrics_file.write_text("")
 
     @property
     def config(self) -> CriticConfig:
@@ -65,61 +71,68 @@ class CriticService(Service):
             self.engine.save_pretrained(str(self.ctx.run_dir / "critic"), tokenizer_from=self.config.model)
 
     async def serve(self) -> None:
-        cfg = self.config
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
-        n = cfg.batch_size // cfg.mini_batches
-        train_cols = ["prompt", "response", "values", "returns", "valid"]
-
-        def claim_values() -> asyncio.Task[Batch]:
-            return asyncio.create_task(
-                client.claim(
-                    SAMPLES,
-                    VALUES_CONSUMER,
-                    ["prompt", "response"],
-                    cfg.max_batch,
-                    timeout=WATCH_S,
-                    lease=LEASE_S,
-                )
-            )
-
-        def claim_train() -> asyncio.Task[Batch]:
-            return asyncio.create_task(
-                client.claim(SAMPLES, TRAIN_CONSUMER, train_cols, n, min_n=n, timeout=WATCH_S, lease=LEASE_S)
-            )
-
+        self.client = client
+        self.pause = ckpt.Pause()
         run_over = asyncio.create_task(self.watch_run(client))
-        values, train = claim_values(), claim_train()
-        parked: list[tuple[Batch, list[int], float]] = []
-        held: Batch | None = None  # a training mini-batch waiting for its batch's values to be complete
+        checkpoints = asyncio.create_task(ckpt.take_part(client, self.ctx.name, self.pause, self.save_state))
+        self.values_claim, self.train_claim = self.claim_values(), self.claim_train()
+        self.parked: list[tuple[Batch, list[int], float]] = []
+        self.held: Batch | None = None  # a training mini-batch waiting for its batch's values
         try:
             while not run_over.done():
-                waiting = [values, run_over] + ([train] if held is None else [])
+                waiting = [self.values_claim, run_over, checkpoints]
+                if self.held is None:
+                    waiting.append(self.train_claim)
                 await asyncio.wait(waiting, return_when="FIRST_COMPLETED")
-                if values.done():
-                    batch = values.result()
-                    if batch:
-                        parked.append((batch, list(range(len(batch))), time.monotonic()))
-                    values = claim_values()
-                parked = await self.serve_values(client, parked)
-                if held is None and train.done():
-                    held = train.result() or None
-                    if held is None:
-                        train = claim_train()
-                # Synchronous PPO computes a batch's values before any update on it: train on batch v
-                # (this critic's version) only once every sample of it has its values.
-                if held is not None and self.valued >= (self.version + 1) * cfg.batch_size:
-                    await asyncio.to_thread(self.train, held)
-                    await client.ack(held)
-                    held = None
-                    train = claim_train()
-                    parked = await self.serve_values(client, parked)
+                if checkpoints.done():
+                    checkpoints.result()  # a failure while checkpointing
+                async with self.pause.work():  # a checkpoint may pause us here
+                    await self.round()
             run_over.result()
         finally:
-            for task in (values, train, run_over):
+            for task in (self.values_claim, self.train_claim, run_over, checkpoints):
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
             await client.close()
+
+    def claim_values(self) -> asyncio.Task[Batch]:
+        cfg = self.config
+        return asyncio.create_task(
+            self.client.claim(SAMPLES, VALUES_CONSUMER, ["prompt", "response"], cfg.max_batch,
+                              timeout=WATCH_S, lease=LEASE_S)
+        )  # fmt: skip
+
+    def claim_train(self) -> asyncio.Task[Batch]:
+        cfg = self.config
+        n = cfg.batch_size // cfg.mini_batches
+        return asyncio.create_task(
+            self.client.claim(SAMPLES, TRAIN_CONSUMER, ["prompt", "response", "values", "returns", "valid"], n,
+                              min_n=n, timeout=WATCH_S, lease=LEASE_S)
+        )  # fmt: skip
+
+    async def round(self) -> None:
+        """Take what the claims brought, serve the values the current version may, train when allowed."""
+        cfg = self.config
+        if self.values_claim.done():
+            batch = self.values_claim.result()
+            if batch:
+                self.parked.append((batch, list(range(len(batch))), time.monotonic()))
+            self.values_claim = self.claim_values()
+        self.parked = await self.serve_values(self.client, self.parked)
+        if self.held is None and self.train_claim.done():
+            self.held = self.train_claim.result() or None
+            if self.held is None:
+                self.train_claim = self.claim_train()
+        # Synchronous PPO computes a batch's values before any update on it: train on batch v (this
+        # critic's version) only once every sample of it has its values.
+        if self.held is not None and self.valued >= (self.version + 1) * cfg.batch_size:
+            await asyncio.to_thread(self.train, self.held)
+            await self.client.ack(self.held)
+            self.held = None
+            self.train_claim = self.claim_train()
+            self.parked = await self.serve_values(self.client, self.parked)
 
     async def serve_values(
         self, client: AsyncClient, parked: list[tuple[Batch, list[int], float]]
@@ -176,6 +189,22 @@ class CriticService(Service):
         if self.minibatches % cfg.mini_batches == 0:
             self.version += 1
             self.record()
+
+    async def save_state(self, directory: Path) -> None:
+        await asyncio.to_thread(self.engine.save_checkpoint, str(directory / self.ctx.name))
+        lines = len(self.metrics_file.read_text().splitlines())
+        ckpt.save_json(directory / f"{self.ctx.name}.json", {
+            "version": self.version, "minibatches": self.minibatches, "valued": self.valued,
+            "stats": self.stats, "metrics_lines": lines,
+        })  # fmt: skip
+
+    def load_state(self, directory: Path) -> None:
+        state = ckpt.load_json(directory / f"{self.ctx.name}.json")
+        self.engine.load_checkpoint(str(directory / self.ctx.name))
+        self.version, self.minibatches = int(state["version"]), int(state["minibatches"])
+        self.valued, self.stats = int(state["valued"]), list(state["stats"])
+        ckpt.truncate_jsonl(self.metrics_file, int(state["metrics_lines"]))
+        self.log.info("resumed from %s at critic version %d", directory, self.version)
 
     def record(self) -> None:
         stats, self.stats = self.stats, []

@@ -218,7 +218,15 @@ class InferenceService(Service):
         first = [-1] * len(rows)
         last = [-1] * len(rows)
         todo = list(range(len(rows)))
-        seed = self.ctx.recipe.seed * 1_000_003 + self.ctx.replica.index * 100_003 + self.batches
+        # from the rows' own identity (rollout's group sequence, restored with a checkpoint), not from this
+        # process's history or the data plane's row ids: a resumed run samples what it would have
+        head = rows[0]
+        group = batch.meta_of("group")[head]
+        if group is None:  # evaluation rows
+            group = int(batch.meta_of("eval_version", 0)[head] or 0) * 1_000_003 + int(
+                batch.meta_of("prompt_id", 0)[head] or 0
+            )
+        seed = self.ctx.recipe.seed * 1_000_003 + int(group)
         interrupt = self.update_pending.is_set if cfg.interrupt == "continue" else None
         t0 = time.perf_counter()
         while todo:

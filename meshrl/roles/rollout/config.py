@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from meshrl.checkpoint import CHECKPOINT_ACKS
 from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import EVAL, GATE, SAMPLES
 
@@ -21,6 +22,7 @@ BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig(ServiceConfig):
     service = "meshrl.roles.rollout.service:RolloutService"
+    stateful = True
 
     model: str
     """Local path of the policy; rollout uses its tokenizer."""
@@ -128,7 +130,11 @@ class RolloutConfig(ServiceConfig):
 
     def writes(self) -> Columns:
         extra = ("returns",) if self.advantage == "gae" else ()
-        return {SAMPLES: ("prompt", "reward", "advantage", "valid", *extra), EVAL: ("prompt",)}
+        return {
+            SAMPLES: ("prompt", "reward", "advantage", "valid", *extra),
+            EVAL: ("prompt",),
+            CHECKPOINT_ACKS: ("step",),
+        }
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from meshrl import checkpoint as ckpt
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms import filters
 from meshrl.algorithms.losses import AdaptiveKL, kl
@@ -70,8 +71,12 @@ class RolloutService(Service):
         self.eval_pending: dict[int, int] = {}  # version -> rows not back yet
         self.eval_results: dict[int, list[tuple[bool, float]]] = {}
         self.group_seq = self.ctx.replica.index * 10**12
-        if self.ctx.replica.index == 0:
-            (self.ctx.run_dir / "eval.jsonl").write_text("")
+        self.eval_file = self.ctx.run_dir / "eval.jsonl"
+        resume = ckpt.resume_dir()
+        if resume is not None:
+            self.load_state(resume / f"{self.ctx.name}.json")
+        elif self.ctx.replica.index == 0:
+            self.eval_file.write_text("")
 
     @property
     def config(self) -> RolloutConfig:
@@ -87,11 +92,13 @@ class RolloutService(Service):
             self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name
         )
         self.done = asyncio.Event()
+        self.pause = ckpt.Pause()
         run_over = asyncio.create_task(self.watch_run(self.client))
         all_done = asyncio.create_task(self.done.wait())
+        checkpoints = ckpt.take_part(self.client, self.ctx.name, self.pause, self.save_state)
         tasks = {
             asyncio.create_task(t)
-            for t in (self.watch_gates(), self.feed(), self.score(), self.collect_eval())
+            for t in (self.watch_gates(), self.feed(), self.score(), self.collect_eval(), checkpoints)
         }
         try:
             while not (run_over.done() or all_done.done()):
@@ -109,6 +116,37 @@ class RolloutService(Service):
             await asyncio.gather(*tasks, run_over, all_done, return_exceptions=True)
             await self.client.close()
 
+    # ---------------------------------------------------------------------------------------------------
+    # checkpoints
+
+    STATE = ("order", "epoch", "cursor", "started", "scored", "failed", "skipped", "filtered", "refill",
+             "group_seq", "gates", "final_version")  # fmt: skip
+
+    def save_state(self, directory: Path) -> None:
+        """Everything needed to continue exactly here (called paused, between pieces of work)."""
+        state = {k: getattr(self, k) for k in self.STATE}
+        state.update(
+            rng=self.rng.getstate(),
+            kl_coef=self.kl.coef,
+            eval_pending={str(k): v for k, v in self.eval_pending.items()},
+            eval_results={str(k): v for k, v in self.eval_results.items()},
+            eval_lines=len(self.eval_file.read_text().splitlines()) if self.eval_file.exists() else 0,
+        )
+        ckpt.save_json(directory / f"{self.ctx.name}.json", state)
+
+    def load_state(self, path: Path) -> None:
+        state = ckpt.load_json(path)
+        for k in self.STATE:
+            setattr(self, k, state[k])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.kl.coef = state["kl_coef"]
+        self.eval_pending = {int(k): v for k, v in state["eval_pending"].items()}
+        self.eval_results = {int(k): [tuple(x) for x in v] for k, v in state["eval_results"].items()}
+        if self.ctx.replica.index == 0:
+            ckpt.truncate_jsonl(self.eval_file, state["eval_lines"])
+        self.log.info("resumed from %s: %d samples started, %d scored", path, self.started, self.scored)
+
     def check_done(self) -> None:
         """The run is over for rollout once the final version is in and its evaluation recorded."""
         if self.final_version is not None and not self.eval_pending and self.scored >= self.total:
@@ -123,23 +161,24 @@ class RolloutService(Service):
             batch = await self.client.claim(GATE, consumer, ["version"], 64, timeout=WATCH_S)
             if not batch:
                 continue
-            for version, meta in zip(batch.tensor("version").tolist(), batch.meta or [], strict=False):
-                self.gates += 1
-                final = bool(meta and meta.get("final"))
-                if self.eval_rows and (
-                    version == 0
-                    or final
-                    or (self.config.eval_every and version % self.config.eval_every == 0)
-                ):
-                    await self.submit_eval(int(version))
-                if final:
-                    self.final_version = int(version)
-                    self.check_done()
-            self.ctx.health.info.update(
-                gates=self.gates, started=self.started, scored=self.scored, failed=self.failed
-            )
-            await self.client.ack(batch)
-            self.changed.set()
+            async with self.pause.work():
+                for version, meta in zip(batch.tensor("version").tolist(), batch.meta or [], strict=False):
+                    self.gates += 1
+                    final = bool(meta and meta.get("final"))
+                    if self.eval_rows and (
+                        version == 0
+                        or final
+                        or (self.config.eval_every and version % self.config.eval_every == 0)
+                    ):
+                        await self.submit_eval(int(version))
+                    if final:
+                        self.final_version = int(version)
+                        self.check_done()
+                self.ctx.health.info.update(
+                    gates=self.gates, started=self.started, scored=self.scored, failed=self.failed
+                )
+                await self.client.ack(batch)
+                self.changed.set()
 
     def allowed(self) -> int:
         """Samples that may have started generating after the gates seen so far."""
@@ -164,20 +203,29 @@ class RolloutService(Service):
                 self.changed.clear()
                 await self.changed.wait()
                 continue
-            prompts = min(room // cfg.group_size, cfg.prompts_per_step)
-            rows: list[torch.Tensor] = []
-            meta: list[Meta] = []
-            while len(rows) < prompts * cfg.group_size:
-                index, tokens = self.next_prompt()
-                self.group_seq += 1
-                # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
-                need = self.refill.pop(0) if self.refill else self.min_version(self.started + len(rows))
-                rows += [tokens] * cfg.group_size
-                meta += [
-                    {"group": self.group_seq, "prompt_id": index, "epoch": self.epoch, "min_version": need}
-                ] * cfg.group_size
-            await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600)
-            self.started += len(rows)
+            async with self.pause.work():  # a checkpoint may pause us here
+                room = min(self.total, self.allowed() + ahead) - self.started
+                if room < cfg.group_size:
+                    continue
+                prompts = min(room // cfg.group_size, cfg.prompts_per_step)
+                rows: list[torch.Tensor] = []
+                meta: list[Meta] = []
+                while len(rows) < prompts * cfg.group_size:
+                    index, tokens = self.next_prompt()
+                    self.group_seq += 1
+                    # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
+                    need = self.refill.pop(0) if self.refill else self.min_version(self.started + len(rows))
+                    rows += [tokens] * cfg.group_size
+                    meta += [
+                        {
+                            "group": self.group_seq,
+                            "prompt_id": index,
+                            "epoch": self.epoch,
+                            "min_version": need,
+                        }
+                    ] * cfg.group_size
+                await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600)
+                self.started += len(rows)
 
     def next_prompt(self) -> tuple[int, torch.Tensor]:
         """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""
@@ -223,41 +271,44 @@ class RolloutService(Service):
             )  # fmt: skip
             if not batch:
                 continue
-            reward, valid = self.total_rewards(batch)
-            groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
-            keep = torch.ones(len(batch), dtype=torch.bool)
-            if cfg.dynamic_sampling:
-                keep = filters.groups_with_signal(reward, groups, valid)
-            index = keep.nonzero().squeeze(-1)
-            if len(index):
-                out = self.advantages(batch, index, reward[index], groups[index], valid[index])
-                await self.client.put(SAMPLES, out, ids=batch.ids[index.numpy()])
-            await self.client.ack(batch)
-            dropped = batch.ids[(~keep).numpy()]
-            if len(dropped):  # DAPO: no signal in these groups; feed draws new prompts in their place
-                needs = batch.meta_of("min_version", 0)
-                lost = {int(groups[i]): int(needs[i] or 0) for i in (~keep).nonzero().squeeze(-1).tolist()}
-                self.refill += list(lost.values())
-                await self.client.delete(SAMPLES, dropped)
-                self.filtered += len(dropped)
-                self.started -= len(dropped)
-                self.changed.set()
-                drawn = self.scored + self.filtered
-                if drawn >= 4 * cfg.batch_size and self.filtered > cfg.max_filtered_fraction * drawn:
-                    raise RuntimeError(
-                        f"dynamic sampling dropped {self.filtered} of {drawn} samples (max_filtered_fraction="
-                        f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
-                    )
-            self.scored += len(index)
-            self.check_done()
-            self.ctx.health.info.update(
-                scored=self.scored, failed=self.failed, skipped=self.skipped, filtered=self.filtered
-            )
-            if self.scored >= 4 * cfg.group_size and self.failed > cfg.max_failed_fraction * self.scored:
-                raise RuntimeError(
-                    f"{self.failed} of {self.scored} samples could not be scored (max_failed_fraction="
-                    f"{cfg.max_failed_fraction}); first failure:\n{self.first_failure}"
+            async with self.pause.work():
+                reward, valid = self.total_rewards(batch)
+                groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
+                keep = torch.ones(len(batch), dtype=torch.bool)
+                if cfg.dynamic_sampling:
+                    keep = filters.groups_with_signal(reward, groups, valid)
+                index = keep.nonzero().squeeze(-1)
+                if len(index):
+                    out = self.advantages(batch, index, reward[index], groups[index], valid[index])
+                    await self.client.put(SAMPLES, out, ids=batch.ids[index.numpy()])
+                await self.client.ack(batch)
+                dropped = batch.ids[(~keep).numpy()]
+                if len(dropped):  # DAPO: no signal in these groups; feed draws new prompts in their place
+                    needs = batch.meta_of("min_version", 0)
+                    lost = {
+                        int(groups[i]): int(needs[i] or 0) for i in (~keep).nonzero().squeeze(-1).tolist()
+                    }
+                    self.refill += list(lost.values())
+                    await self.client.delete(SAMPLES, dropped)
+                    self.filtered += len(dropped)
+                    self.started -= len(dropped)
+                    self.changed.set()
+                    drawn = self.scored + self.filtered
+                    if drawn >= 4 * cfg.batch_size and self.filtered > cfg.max_filtered_fraction * drawn:
+                        raise RuntimeError(
+                            f"dynamic sampling dropped {self.filtered} of {drawn} samples (max_filtered_fraction="
+                            f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
+                        )
+                self.scored += len(index)
+                self.check_done()
+                self.ctx.health.info.update(
+                    scored=self.scored, failed=self.failed, skipped=self.skipped, filtered=self.filtered
                 )
+                if self.scored >= 4 * cfg.group_size and self.failed > cfg.max_failed_fraction * self.scored:
+                    raise RuntimeError(
+                        f"{self.failed} of {self.scored} samples could not be scored (max_failed_fraction="
+                        f"{cfg.max_failed_fraction}); first failure:\n{self.first_failure}"
+                    )
 
     def rewards(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.zeros(len(batch), dtype=torch.float32)
@@ -379,22 +430,23 @@ class RolloutService(Service):
             batch = await self.client.claim(EVAL, "rollout", ["prompt", "response"], 4096, timeout=WATCH_S)
             if not batch:
                 continue
-            rewards, valid = self.rewards(batch, self.eval_rows)
-            for version, greedy, r, ok in zip(
-                batch.meta_of("eval_version"),
-                batch.meta_of("greedy"),
-                rewards.tolist(),
-                valid.tolist(),
-                strict=True,
-            ):
-                self.eval_results[version].append((bool(greedy), r if ok else 0.0))
-                self.eval_pending[version] -= 1
-            await self.client.ack(batch)
-            await self.client.delete(EVAL, batch.ids)
-            for version in [v for v, left in self.eval_pending.items() if left == 0]:
-                del self.eval_pending[version]
-                self.record_eval(version, self.eval_results.pop(version))
-                self.check_done()
+            async with self.pause.work():
+                rewards, valid = self.rewards(batch, self.eval_rows)
+                for version, greedy, r, ok in zip(
+                    batch.meta_of("eval_version"),
+                    batch.meta_of("greedy"),
+                    rewards.tolist(),
+                    valid.tolist(),
+                    strict=True,
+                ):
+                    self.eval_results[version].append((bool(greedy), r if ok else 0.0))
+                    self.eval_pending[version] -= 1
+                await self.client.ack(batch)
+                await self.client.delete(EVAL, batch.ids)
+                for version in [v for v, left in self.eval_pending.items() if left == 0]:
+                    del self.eval_pending[version]
+                    self.record_eval(version, self.eval_results.pop(version))
+                    self.check_done()
 
     def record_eval(self, version: int, results: list[tuple[bool, float]]) -> None:
         greedy = [r for g, r in results if g]
@@ -407,7 +459,7 @@ class RolloutService(Service):
             "time": time.time(),
         }
         self.log.info("eval at version %d: %s", version, row)
-        with open(self.ctx.run_dir / "eval.jsonl", "a") as f:
+        with open(self.eval_file, "a") as f:
             f.write(json.dumps(row) + "\n")
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshrl.checkpoint import CHECKPOINT
 from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import GATE, SAMPLES
 
@@ -142,7 +143,7 @@ class TrainerConfig(ServiceConfig):
         return {SAMPLES: self.columns()}
 
     def writes(self) -> Columns:
-        return {GATE: ("version",)}
+        return {GATE: ("version",), CHECKPOINT: ("step",)}
 
     def retention(self) -> Columns:
         return {SAMPLES: ("trainer",)}

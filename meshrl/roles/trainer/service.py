@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshrl import checkpoint as ckpt
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
 from meshrl.dataplane import Batch, Ragged
@@ -82,10 +85,14 @@ class TrainerService(Service):
                 self.ctx.address(whost), wport, 0, 1 + len(members), device=str(self.ctx.device)
             )
         self.version = 0
+        self.start_step = 0
         self.nan_streak = 0
         self.kl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.metrics_file = self.ctx.run_dir / "metrics.jsonl"
-        if self.rank == 0:
+        resume = ckpt.resume_dir()
+        if resume is not None:
+            self.restore(resume)
+        elif self.rank == 0:
             self.metrics_file.write_text("")  # a fresh run starts a fresh file
 
     @property
@@ -99,9 +106,12 @@ class TrainerService(Service):
     def run(self) -> None:
         cfg = self.config
         total = self.ctx.recipe.total_steps
-        self.publish(final=False)  # version 0: inference starts from exactly the trainer's weights
+        every = self.ctx.recipe.checkpoint_every
+        # inference starts from exactly the trainer's weights (after a resume: the gate of this version
+        # was written before the checkpoint and must not be written twice)
+        self.publish(final=False, gate=self.start_step == 0)
         last_gate = time.perf_counter()
-        for step in range(total):
+        for step in range(self.start_step, total):
             rows: list[dict[str, torch.Tensor]] = []
             stats: list[dict[str, float]] = []
             wait_s = train_s = 0.0
@@ -129,6 +139,8 @@ class TrainerService(Service):
             )
             last_gate = now
             self.ctx.health.info.update(step=step + 1, version=self.version)
+            if every and (step + 1) % every == 0 and step + 1 < total:
+                self.checkpoint(step + 1)
         if self.publishing is not None:
             self.publishing.result()
         if self.weights is not None:
@@ -191,7 +203,7 @@ class TrainerService(Service):
             self.nan_streak = 0
         return stats
 
-    def publish(self, *, final: bool) -> float:
+    def publish(self, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `self.version` and open the gate for it.
 
         The gather (collective over the trainer's ranks) and a copy happen here; the broadcast to the
@@ -209,19 +221,79 @@ class TrainerService(Service):
         copies = [t.detach().clone() for t in weights]
         if self.publishing is not None:
             self.publishing.result()  # surfaces a failure of the previous publication
-        self.publishing = self.publisher.submit(self._send, self.version, copies, final)
+        self.publishing = self.publisher.submit(self._send, self.version, copies, final, gate)
         return time.perf_counter() - t0
 
-    def _send(self, version: int, tensors: list[torch.Tensor], final: bool) -> None:
+    def _send(self, version: int, tensors: list[torch.Tensor], final: bool, gate: bool = True) -> None:
         """Publisher thread: broadcast, wait until every replica has the version, then open the gate."""
         assert self.weights is not None
         t0 = time.perf_counter()
         self.weights.send(
             version, self.engine.manifest(), iter(tensors), bucket_bytes=self.config.bucket_mb << 20
         )
-        meta: list[Any] = [{"final": final, "step": version}]
-        self.gate_client.put(GATE, {"version": torch.tensor([version])}, meta=meta)
+        if gate:
+            meta: list[Any] = [{"final": final, "step": version}]
+            self.gate_client.put(GATE, {"version": torch.tensor([version])}, meta=meta)
         self.publish_s = time.perf_counter() - t0
+
+    # ---------------------------------------------------------------------------------------------------
+    # checkpoints (the protocol is described in meshrl/checkpoint.py)
+
+    def checkpoint(self, step: int) -> None:
+        """Steps 0..step-1 are done and version `step` is published: save the whole run."""
+        t0 = time.perf_counter()
+        run_dir = self.ctx.run_dir
+        tmp = ckpt.tmp_dir(run_dir, step)
+        if self.rank == 0:
+            if self.publishing is not None:
+                self.publishing.result()  # the gate of this version is in the data plane
+            self.client.flush()  # and so are this step's acks
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        if self.world > 1:
+            dist.barrier()
+        self.engine.save_checkpoint(str(tmp / "trainer"))
+        if self.rank != 0:
+            dist.barrier()  # rank 0 commits
+            return
+        ckpt.save_json(tmp / "trainer.json", {
+            "step": step, "version": self.version, "nan_streak": self.nan_streak, "kl_coef": self.kl.coef,
+            "metrics_lines": step, "torch_rng": torch.get_rng_state().tolist(),
+        })  # fmt: skip
+        parts = [p.name for r in self.ctx.topology.replicas for p in r.processes
+                 if self.ctx.recipe.group(r.group).config.stateful]  # fmt: skip
+        self.client.put(ckpt.CHECKPOINT, {"step": torch.tensor([step])}, meta=[{"dir": str(tmp)}])
+        waiting = set(parts)
+        while waiting:
+            batch = self.client.claim(ckpt.CHECKPOINT_ACKS, "trainer", ["step"], 64, timeout=5.0)
+            for s, meta in zip(
+                batch.tensor("step").tolist() if batch else [], batch.meta or [], strict=False
+            ):
+                if s == step:
+                    waiting.discard(str((meta or {}).get("by")))
+            if batch:
+                self.client.ack(batch)
+            if waiting and self.finished(every=5.0):
+                raise RuntimeError(f"the run ended while checkpoint {step} waited for {sorted(waiting)}")
+        self.client.snapshot(tmp / "dataplane")
+        ckpt.save_json(tmp / "recipe.json", json.loads((run_dir / "config.json").read_text()))
+        final = ckpt.commit(tmp, step, self.ctx.recipe.keep_checkpoints)
+        self.client.put(ckpt.CHECKPOINT, {"step": torch.tensor([step])}, meta=[{ckpt.DONE: True}])
+        if self.world > 1:
+            dist.barrier()
+        self.log.info("checkpoint %s in %.2fs", final.name, time.perf_counter() - t0)
+
+    def restore(self, path: Path) -> None:
+        state = ckpt.load_json(path / "trainer.json")
+        self.engine.load_checkpoint(str(path / "trainer"))
+        self.start_step, self.version = int(state["step"]), int(state["version"])
+        self.nan_streak = int(state["nan_streak"])
+        self.kl.coef = float(state["kl_coef"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        if self.rank == 0:
+            ckpt.truncate_jsonl(self.metrics_file, int(state["metrics_lines"]))
+        self.log.info("resumed from %s at step %d (version %d)", path, self.start_step, self.version)
 
     def record(
         self, step: int, parts: list[dict[str, torch.Tensor]], stats: list[dict[str, float]], **times: float
