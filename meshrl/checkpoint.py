@@ -148,10 +148,15 @@ class _Work:
 
 
 async def take_part(
-    client: Any, name: str, pause: Pause, save: Callable[[Path], Awaitable[None] | None]
+    client: Any,
+    name: str,
+    pause: Pause,
+    save: Callable[[Path], Awaitable[None] | None],
+    reach: Callable[[int], Awaitable[None]] | None = None,
 ) -> None:
     """A stateful asyncio service's side of the protocol: forever, on each request, pause, save into the
-    request's directory, answer, and resume once the trainer says the checkpoint is done."""
+    request's directory, answer, and resume once the trainer says the checkpoint is done. `reach(step)`,
+    if given, is awaited first (unpaused): a service that trails the trainer catches up to the step."""
     import torch
 
     from meshrl.service import WATCH_S
@@ -170,6 +175,8 @@ async def take_part(
                 continue
             if not Path(meta["dir"]).is_dir():  # a request of a checkpoint that no longer exists
                 continue
+            if reach is not None:
+                await reach(step)
             await pause.hold()
             result = save(Path(meta["dir"]))
             if result is not None:

@@ -53,7 +53,17 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 plane = msgspec.to_builtins(c.status())
         except (OSError, TimeoutError) as e:
             plane = {"error": f"data plane unreachable at {endpoint}: {e}"}
-    return {"run_dir": str(run_dir), "services": services, "dataplane": plane}
+    ledger: dict[str, Any] = {}
+    if (run_dir / "ledger.jsonl").exists():
+        from dataclasses import asdict
+
+        from meshrl.dataplane.ledger import account
+
+        ledger = asdict(account(run_dir / "ledger.jsonl"))
+    restarts = run_dir / "restarts.jsonl"
+    resumes = len(restarts.read_text().splitlines()) if restarts.exists() else 0
+    return {"run_dir": str(run_dir), "services": services, "dataplane": plane, "ledger": ledger,
+            "resumes": resumes}  # fmt: skip
 
 
 def render(status: dict[str, Any]) -> str:
@@ -91,6 +101,14 @@ def render(status: dict[str, Any]) -> str:
         lines.append("data plane: not running")
     if versions:
         lines += ["", f"weight version: {max(versions)}"]
+    ledger = status.get("ledger") or {}
+    if ledger:
+        lines += [
+            "",
+            "samples (ledger, trainer): {produced} produced, {consumed} consumed, {deleted} filtered, "
+            "{pending} in flight (lost if the run is over), {duplicated} duplicated".format(**ledger)
+            + f"; {status.get('resumes', 0)} resumes",
+        ]
     return "\n".join(lines)
 
 

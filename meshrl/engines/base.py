@@ -93,9 +93,18 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, interrupt: Callable[[], bool] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        interrupt: Callable[[], bool] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         """One completion per prompt, in the order of `prompts`.
+
+        `seeds` (one per prompt, like vLLM's per-request seed) make each completion a function of its own
+        prompt, seed and the weights, whatever else is in the batch; without them `params.seed` seeds the
+        batch as a whole.
 
         Each completion ends at the first EOS or `params.stop_token_ids` token (kept, finish_reason
         "stop") or after `params.max_new_tokens` tokens (finish_reason "length"). `logprobs[j]` is the

@@ -196,7 +196,9 @@ class FSDPEngine:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         self.model: Any = model
-        self.model.train()
+        # No dropout in RL (HF's classification heads default to 0.1): recomputed logprobs must match
+        # inference's, and a critic's values must not depend on the random state. Gradients still flow.
+        self.model.eval()
         self.optim_cfg = optim
         self.optimizer = torch.optim.AdamW(
             model.parameters(),

@@ -50,7 +50,7 @@ def _token_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, u: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` [batch, vocab] and its log-probability (the base-module convention)."""
     scaled = _scaled(logits, params.temperature)
@@ -70,22 +70,46 @@ def _sample(
     if params.top_p < 1.0:
         # Drop a token when the ones before it already reach top_p: the most likely one always stays.
         probs = probs.masked_fill(probs.cumsum(-1) - probs > params.top_p, 0.0)
-    choice = _draw(probs, generator)
+    choice = _draw(probs, generator, u)
     tokens = (choice if index is None else index.gather(-1, choice)).squeeze(-1)
     return tokens, _token_logprobs(scaled, tokens)
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _draw(weights: torch.Tensor, generator: torch.Generator, u: torch.Tensor | None = None) -> torch.Tensor:
     """One index per row, with probability proportional to `weights` (>= 0, not normalised) [batch, n].
 
-    Inverse-CDF sampling, one uniform per row: several times faster on CPU than torch.multinomial.
+    Inverse-CDF sampling, one uniform per row (from `generator`, or given as `u` [batch]): several times
+    faster on CPU than torch.multinomial.
     """
     cdf = weights.double().cumsum(-1)
     total = cdf[:, -1:].contiguous()
-    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    if u is None:
+        u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device)
+    u = u.to(cdf).view(total.shape) * total
     # The first index whose cdf exceeds u has a positive weight; the second bound covers u rounding up to
     # the total (it is the last index with a positive weight).
     return torch.minimum(torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, total))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values < 2**32 (no product reaches 2**63)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def _uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """Counter-based uniforms in [0, 1) [n], float64 with 53 random bits: a pure function of each row's
+    seed and the step, so a row samples the same tokens whatever batch it is generated in."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(torch.full_like(seeds, step & _M32))))
+    h2 = _mix32(h ^ 0x9E3779B9)
+    return (h.double() * 2.0**21 + (h2 >> 11).double()) / 2.0**53
 
 
 class HFEngine(InferenceEngine):
@@ -177,10 +201,17 @@ class HFEngine(InferenceEngine):
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, interrupt: Callable[[], bool] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        interrupt: Callable[[], bool] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         if not prompts:
             return []
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         self._check_tokens(prompts, "prompts")
         generator = torch.Generator(device=self.device)
         if params.seed is None:
@@ -195,7 +226,10 @@ class HFEngine(InferenceEngine):
             order.sort(key=lambda i: len(prompts[i]))
         results: list[Completion | None] = [None] * len(prompts)
         for chunk in self._chunks(order):
-            done = self._generate_batch([prompts[i] for i in chunk], params, generator, stop, interrupt)
+            row_seeds = None if seeds is None else [seeds[i] for i in chunk]
+            done = self._generate_batch(
+                [prompts[i] for i in chunk], params, generator, stop, interrupt, row_seeds
+            )
             for i, completion in zip(chunk, done, strict=True):
                 results[i] = completion
         return [c for c in results if c is not None]
@@ -210,8 +244,12 @@ class HFEngine(InferenceEngine):
         generator: torch.Generator,
         stop: torch.Tensor,
         interrupt: Callable[[], bool] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         dev, steps = self.device, params.max_new_tokens
+        row_seeds = (
+            None if seeds is None else torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        )
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor([[self._pad_id] * (width - len(p)) + p for p in prompts], device=dev)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
@@ -235,7 +273,8 @@ class HFEngine(InferenceEngine):
         finished = torch.zeros(batch, dtype=torch.bool, device=dev)
         produced = steps  # tokens generated per row at most (fewer when interrupted)
         for step in range(steps):
-            tokens, logprobs = _sample(out.logits[:, -1, :], params, generator)
+            u = None if row_seeds is None else _uniform(row_seeds[rows.cpu()], step)
+            tokens, logprobs = _sample(out.logits[:, -1, :], params, generator, u)
             tokens_out[rows, step] = tokens
             logprobs_out[rows, step] = logprobs
             if step == steps - 1:

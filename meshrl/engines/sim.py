@@ -38,7 +38,12 @@ class SimInferenceEngine(InferenceEngine):
         return [max(1, min(cap, round(self.rng.lognormvariate(mu, self.sim.sigma)))) for _ in range(n)]
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, interrupt: Callable[[], bool] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        interrupt: Callable[[], bool] | None = None,
+        seeds: list[int] | None = None,
     ) -> list[Completion]:
         lengths = self.lengths(len(prompts), params.max_new_tokens)
         steps = max(lengths, default=0)

@@ -5,9 +5,9 @@ Two claims on one asyncio client, served one at a time on one model:
   `min_version` says which critic version it needs: the critic's version counts its completed batches
   (one per trainer step), so at window 1 the values of step n's samples come from the critic trained
   on steps 0..n-1, exactly as in synchronous PPO. Rows whose version is not there yet stay claimed.
-- train (consumer "critic"): rows whose `returns` rollout has written; every `batch_size / mini_batches`
-  rows are one optimizer step (`epochs` of them) of the clipped value loss. Metrics per critic version
-  go to <run_dir>/critic.jsonl.
+- train (consumer "critic"): a batch of rows whose `returns` rollout has written, in `mini_batches`
+  optimizer steps (`epochs` each) of the clipped value loss: one critic version. Metrics per version go
+  to <run_dir>/critic.jsonl.
 Batch v (the critic's version) is trained on only once every sample of it has its values, so values
 are never computed by weights half-way through an update of their own batch.
 """
@@ -75,7 +75,10 @@ class CriticService(Service):
         self.client = client
         self.pause = ckpt.Pause()
         run_over = asyncio.create_task(self.watch_run(client))
-        checkpoints = asyncio.create_task(ckpt.take_part(client, self.ctx.name, self.pause, self.save_state))
+        self.version_changed = asyncio.Event()
+        checkpoints = asyncio.create_task(
+            ckpt.take_part(client, self.ctx.name, self.pause, self.save_state, self.reach)
+        )
         self.values_claim, self.train_claim = self.claim_values(), self.claim_train()
         self.parked: list[tuple[Batch, list[int], float]] = []
         self.held: Batch | None = None  # a training mini-batch waiting for its batch's values
@@ -106,7 +109,7 @@ class CriticService(Service):
 
     def claim_train(self) -> asyncio.Task[Batch]:
         cfg = self.config
-        n = cfg.batch_size // cfg.mini_batches
+        n = cfg.batch_size
         return asyncio.create_task(
             self.client.claim(SAMPLES, TRAIN_CONSUMER, ["prompt", "response", "values", "returns", "valid"], n,
                               min_n=n, timeout=WATCH_S, lease=LEASE_S)
@@ -129,6 +132,7 @@ class CriticService(Service):
         # critic's version) only once every sample of it has its values.
         if self.held is not None and self.valued >= (self.version + 1) * cfg.batch_size:
             await asyncio.to_thread(self.train, self.held)
+            self.version_changed.set()
             await self.client.ack(self.held)
             self.held = None
             self.train_claim = self.claim_train()
@@ -166,18 +170,31 @@ class CriticService(Service):
         return {"values": [v[k][packed.mask[k]] for k in range(len(rows))]}
 
     def train(self, batch: Batch) -> None:
+        """One critic version: a batch of samples in `mini_batches` optimizer steps. The mini-batches are
+        cut from the batch sorted by rollout's group sequence, so their composition does not depend on
+        the order in which rows became ready (a resumed run cuts the same ones)."""
         cfg = self.config
-        valid = batch.tensor("valid").bool()
+        groups = torch.tensor(batch.meta_of("group", 0), dtype=torch.int64)
+        members = torch.tensor(batch.meta_of("member", 0), dtype=torch.int64)
+        order = torch.argsort(groups * 65536 + members, stable=True)
+        for index in order.chunk(cfg.mini_batches):
+            self.train_minibatch(batch, index.tolist())
+        self.version += 1
+        self.record()
+
+    def train_minibatch(self, batch: Batch, index: list[int]) -> None:
+        valid = batch.tensor("valid").bool()[index]
+        pick = lambda name: Ragged.from_list([batch.ragged(name)[i] for i in index])  # noqa: E731
         packed = pack(
-            batch.ragged("prompt"), batch.ragged("response"), None, torch.zeros(len(batch)), valid,
-            values=batch.ragged("values"), returns=batch.ragged("returns"),
+            pick("prompt"), pick("response"), None, torch.zeros(len(index)), valid,
+            values=pick("values"), returns=pick("returns"),
         )  # fmt: skip
         assert packed.values is not None and packed.returns is not None
         m = packed.mask
         returns, old = packed.returns[m].double(), packed.values[m].double()
         var = float(returns.var(unbiased=False)) if len(returns) > 1 else 0.0
         explained = 1.0 - float((returns - old).var(unbiased=False)) / var if var > 0 else 0.0
-        stats = self.engine.update_value(packed, cfg)
+        stats = self.engine.update_value(packed, self.config)
         self.stats.append(
             {
                 **stats,
@@ -186,9 +203,13 @@ class CriticService(Service):
             }
         )
         self.minibatches += 1
-        if self.minibatches % cfg.mini_batches == 0:
-            self.version += 1
-            self.record()
+
+    async def reach(self, step: int) -> None:
+        """Checkpoint after trainer step `step` - 1: first train every batch up to it (always possible:
+        the trainer has consumed those batches, so their returns are written)."""
+        while self.version < step:
+            self.version_changed.clear()
+            await self.version_changed.wait()
 
     async def save_state(self, directory: Path) -> None:
         await asyncio.to_thread(self.engine.save_checkpoint, str(directory / self.ctx.name))

@@ -203,6 +203,24 @@ class InferenceService(Service):
             if self.loop is not None and self.new_version is not None:
                 self.loop.call_soon_threadsafe(self.new_version.set)
 
+    def row_seeds(self, batch: Batch, rows: list[int]) -> list[int]:
+        """A sampling seed per row from the row's identity (rollout's group sequence and member, or the
+        evaluation's version, prompt and member), not from this process's history or batch: a resumed
+        run, or a row that lands in another batch, samples the same tokens."""
+        seeds = []
+        groups, members = batch.meta_of("group"), batch.meta_of("member", 0)
+        for i in rows:
+            if groups[i] is None:  # evaluation rows
+                key = (
+                    1,
+                    int(batch.meta_of("eval_version", 0)[i] or 0),
+                    int(batch.meta_of("prompt_id", 0)[i] or 0),
+                )
+            else:
+                key = (0, int(groups[i]), 0)
+            seeds.append(hash((self.ctx.recipe.seed, *key, int(members[i] or 0))) % 2**63)
+        return seeds
+
     def newer_than(self, version: int) -> bool:
         return self.engine.version > version or self.receiver_error is not None
 
@@ -218,15 +236,8 @@ class InferenceService(Service):
         first = [-1] * len(rows)
         last = [-1] * len(rows)
         todo = list(range(len(rows)))
-        # from the rows' own identity (rollout's group sequence, restored with a checkpoint), not from this
-        # process's history or the data plane's row ids: a resumed run samples what it would have
-        head = rows[0]
-        group = batch.meta_of("group")[head]
-        if group is None:  # evaluation rows
-            group = int(batch.meta_of("eval_version", 0)[head] or 0) * 1_000_003 + int(
-                batch.meta_of("prompt_id", 0)[head] or 0
-            )
-        seed = self.ctx.recipe.seed * 1_000_003 + int(group)
+        seeds = self.row_seeds(batch, rows)
+        seed = seeds[0]
         interrupt = self.update_pending.is_set if cfg.interrupt == "continue" else None
         t0 = time.perf_counter()
         while todo:
@@ -244,8 +255,9 @@ class InferenceService(Service):
                             seed=seed,
                         )
                         done = self.engine.generate(
-                            [prompts[i] + tokens[i] for i in same], params, interrupt=interrupt
-                        )
+                            [prompts[i] + tokens[i] for i in same], params, interrupt=interrupt,
+                            seeds=[(seeds[i] * 4099 + len(tokens[i])) % 2**63 for i in same],
+                        )  # fmt: skip
                         for i, c in zip(same, done, strict=True):
                             first[i] = version if first[i] < 0 else first[i]
                             last[i] = version

@@ -57,7 +57,8 @@ class RolloutConfig(ServiceConfig):
     lam: float = 0.95
     """GAE lambda."""
     whiten: bool = True
-    """GAE: normalise advantages to zero mean, unit std over each scored batch's tokens."""
+    """GAE: normalise advantages to zero mean, unit std over the batch's tokens (rollout then scores a
+    whole batch at once, as it does for reinforce_pp)."""
     kl_in_reward: float = 0.0
     """Coefficient of a KL(behaviour || reference) penalty in the reward (needs a reference service):
     per token for gae, summed over the response for the outcome estimators."""

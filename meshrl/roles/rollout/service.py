@@ -49,7 +49,11 @@ class RolloutService(Service):
 
         cfg = self.config
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.train_rows, self.eval_rows = load_rows(cfg)
+        bad: list[str] = []
+        self.train_rows, self.eval_rows = load_rows(cfg, bad)
+        if bad:
+            self.log.warning("%d dataset rows skipped; the first: %s", len(bad), "; ".join(bad[:5]))
+        self.ctx.health.info["bad_rows"] = len(bad)
         self.reward_fn: RewardFn | None = None
         if cfg.reward is not None:
             module, _, fn = cfg.reward.partition(":")
@@ -219,11 +223,13 @@ class RolloutService(Service):
                     meta += [
                         {
                             "group": self.group_seq,
+                            "member": k,
                             "prompt_id": index,
                             "epoch": self.epoch,
                             "min_version": need,
                         }
-                    ] * cfg.group_size
+                        for k in range(cfg.group_size)
+                    ]
                 await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600)
                 self.started += len(rows)
 
@@ -264,10 +270,13 @@ class RolloutService(Service):
     async def score(self) -> None:
         cfg = self.config
         columns = list(cfg.score_columns())
+        # Estimators normalised over the batch (REINFORCE++, whitened GAE) score a whole batch at once, so
+        # that the statistics do not depend on which groups happened to be ready together.
+        whole = cfg.advantage == "reinforce_pp" or (cfg.advantage == "gae" and cfg.whiten)
         while True:
             batch = await self.client.claim(
-                SAMPLES, "rollout", columns, cfg.batch_size, group_size=cfg.group_size,
-                timeout=WATCH_S, lease=600,
+                SAMPLES, "rollout", columns, cfg.batch_size, min_n=cfg.batch_size if whole else 1,
+                group_size=cfg.group_size, timeout=WATCH_S, lease=600,
             )  # fmt: skip
             if not batch:
                 continue
@@ -277,7 +286,11 @@ class RolloutService(Service):
                 keep = torch.ones(len(batch), dtype=torch.bool)
                 if cfg.dynamic_sampling:
                     keep = filters.groups_with_signal(reward, groups, valid)
+                # in (group, member) order: the trainer's groups become ready in the order of this put, so
+                # its mini-batches do not depend on which service finished a row last
+                members = torch.tensor(batch.meta_of("member", 0), dtype=torch.int64)
                 index = keep.nonzero().squeeze(-1)
+                index = index[torch.argsort(groups[index] * 65536 + members[index], stable=True)]
                 if len(index):
                     out = self.advantages(batch, index, reward[index], groups[index], valid[index])
                     await self.client.put(SAMPLES, out, ids=batch.ids[index.numpy()])
@@ -418,9 +431,8 @@ class RolloutService(Service):
             tokens = self.encode(row)
             for k in range(1 + self.config.eval_samples):
                 prompts.append(tokens)
-                meta.append(
-                    {"eval_version": version, "greedy": k == 0, "prompt_id": index, "min_version": version}
-                )
+                meta.append({"eval_version": version, "greedy": k == 0, "prompt_id": index, "member": k,
+                             "min_version": version})  # fmt: skip
         self.eval_pending[version] = len(prompts)
         self.eval_results[version] = []
         await self.client.put(EVAL, {"prompt": prompts}, meta=meta, timeout=3600)
@@ -463,27 +475,57 @@ class RolloutService(Service):
             f.write(json.dumps(row) + "\n")
 
 
-def load_rows(cfg: RolloutConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train rows, eval rows) from a built-in task or local files; checks the prompt field is there."""
+def load_rows(
+    cfg: RolloutConfig, bad: list[str] | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train rows, eval rows) from a built-in task or local files.
+
+    A row that does not parse, is not an object, or has no usable `prompt_field` is skipped, with a
+    line saying where and why appended to `bad`; a file in which no row has the field is an error.
+    """
+    bad = [] if bad is None else bad
     if cfg.dataset in BUILTIN_TASKS:
         task = importlib.import_module(BUILTIN_TASKS[cfg.dataset])
         train, held_out = task.split()
     else:
-        train, held_out = _read(cfg.dataset), []
-    if cfg.eval_dataset is not None:
-        held_out = _read(cfg.eval_dataset) if cfg.eval_dataset not in BUILTIN_TASKS else held_out
-    for name, rows in (("dataset", train), ("eval_dataset", held_out)):
-        if rows and cfg.prompt_field not in rows[0]:
+        train, held_out = _read(cfg.dataset, bad), []
+    if cfg.eval_dataset is not None and cfg.eval_dataset not in BUILTIN_TASKS:
+        held_out = _read(cfg.eval_dataset, bad)
+    for name, path, rows in (("dataset", cfg.dataset, train), ("eval_dataset", cfg.eval_dataset, held_out)):
+        usable = [r for r in rows if isinstance(r.get(cfg.prompt_field), str) and r[cfg.prompt_field]]
+        if rows and not usable:
             raise ValueError(
                 f"rollout.{name}: rows have no field {cfg.prompt_field!r} (fields: {sorted(rows[0])}); "
                 "set rollout.prompt_field"
             )
+        for r in rows:
+            if not (isinstance(r.get(cfg.prompt_field), str) and r[cfg.prompt_field]):
+                bad.append(f"{path}: row {r.get('_line', '?')}: no text in field {cfg.prompt_field!r}")
+        rows[:] = usable
     if not train:
         raise ValueError(f"rollout.dataset: {cfg.dataset!r} has no rows")
     return train, held_out
 
 
-def _read(path: str) -> list[dict[str, Any]]:
+def _read(path: str, bad: list[str]) -> list[dict[str, Any]]:
+    """Rows of a .jsonl file (line by line: a broken line is reported in `bad`, not fatal), or of a
+    .json / .parquet file through `datasets`."""
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    bad.append(f"{path}: line {n}: not JSON ({e.msg})")
+                    continue
+                if not isinstance(row, dict):
+                    bad.append(f"{path}: line {n}: a {type(row).__name__}, not an object")
+                    continue
+                rows.append({**row, "_line": n})
+        return rows
     from datasets import load_dataset
 
     kind = "parquet" if path.endswith(".parquet") else "json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -71,3 +72,26 @@ def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_mo
         expected = rows(tmp_path / "reference" / "metrics.jsonl")
         assert [m["loss"] for m in metrics] == [m["loss"] for m in expected]
         assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in expected]
+
+
+def test_a_port_in_use_names_the_service_and_the_port(tmp_path, arith_model):
+    import socket
+
+    from meshrl.recipe import load_recipe
+    from meshrl.topology import HEALTH, Device, devices_needed, plan
+
+    base = free_base_port()
+    recipe = load_recipe(RECIPE, [f"*.model={arith_model}", f"base_port={base}"])
+    topo = plan(recipe, [Device(i, "localhost", i) for i in range(devices_needed(recipe))])
+    trainer = next(p for r in topo.replicas for p in r.processes if p.group == "trainer")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", trainer.ports[HEALTH]))
+        taken.listen()
+        r = subprocess.run(
+            [sys.executable, "-m", "meshrl.cli", "run", RECIPE, f"base_port={base}", f"*.model={arith_model}",
+             f"run_dir={tmp_path / 'run'}", "total_steps=2"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    assert r.returncode != 0
+    message = rf"{trainer.name}: cannot bind its health endpoint 127\.0\.0\.1:{trainer.ports[HEALTH]}"
+    assert re.search(message, r.stderr), r.stderr[-3000:]

@@ -84,3 +84,17 @@ def test_reward_model_scores_are_what_rollout_trains_on(tmp_path, arith_model):
     # a random reward model scores every completion differently; the rule's rewards are only 0 or 1
     assert all(m["reward_std"] > 0 for m in actor)
     assert any(abs(m["reward_mean"] * 128 - round(m["reward_mean"] * 128)) > 1e-3 for m in actor)
+
+
+def test_ppo_resumes_actor_and_critic_from_a_checkpoint(tmp_path, arith_model):
+    common = [f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=4", "checkpoint_every=2",
+              "rollout.eval_every=0"]  # fmt: skip
+    r = run(tmp_path, *common, recipe=PPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor, critic = rows(tmp_path / "run" / "metrics.jsonl"), rows(tmp_path / "run" / "critic.jsonl")
+    r = run(tmp_path, "--resume", *common, recipe=PPO)  # steps 2 and 3 again, from the checkpoint
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = rows(tmp_path / "run" / "metrics.jsonl")
+    assert [(a["loss"], a["reward_mean"]) for a in resumed] == [(a["loss"], a["reward_mean"]) for a in actor]
+    again = rows(tmp_path / "run" / "critic.jsonl")
+    assert [c["value_loss"] for c in again] == [c["value_loss"] for c in critic]

@@ -396,3 +396,26 @@ def test_interrupt_returns_partial_completions_that_continue(engine):
             rest = engine.generate([prompts[full.index(f)] + p.tokens], more)[0]
             assert p.tokens + rest.tokens == f.tokens
     assert any(p.finish_reason == "interrupted" for p in partial)
+
+
+def test_per_prompt_seeds_make_a_completion_independent_of_its_batch(engine: HFEngine) -> None:
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    seeds = [11, 22, 33, 44]
+    together = engine.generate(prompts, params, seeds=seeds)
+    alone = [engine.generate([p], params, seeds=[s])[0] for p, s in zip(prompts, seeds, strict=True)]
+    reordered = engine.generate(prompts[::-1], params, seeds=seeds[::-1])[::-1]
+    assert [c.tokens for c in together] == [c.tokens for c in alone] == [c.tokens for c in reordered]
+    other = engine.generate(prompts, params, seeds=[s + 1 for s in seeds])
+    assert [c.tokens for c in other] != [c.tokens for c in together]
+
+
+def test_counter_based_uniforms_are_uniform() -> None:
+    import torch
+
+    from meshrl.engines.hf import _uniform
+
+    u = torch.cat([_uniform(torch.arange(20000, dtype=torch.int64) * 7919, step) for step in range(5)])
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.002
+    assert len(torch.unique(u)) == len(u)
