@@ -89,7 +89,8 @@ def main() -> None:
                f"*.model={model}", f"run_dir={run_dir}", f"total_steps={steps}", "checkpoint_every=1",
                "rollout.eval_every=0", *restart]  # fmt: skip
         t0 = time.time()
-        proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        log = open(root / "run.log", "w")  # noqa: SIM115 (a file, not a pipe: 20 tracebacks overflow a pipe)
+        proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, text=True)
         watch = psutil.Process(proc.pid)
         peaks: list[int] = [0]
         kills, last_kill_step, incarnation = 0, -1, 0
@@ -111,10 +112,11 @@ def main() -> None:
                     except ProcessLookupError:
                         pass
             time.sleep(0.1)
-        _, err = proc.communicate()
+        proc.wait()
+        log.close()
         wall = time.time() - t0
         if proc.returncode != 0:
-            raise SystemExit(f"the run failed ({proc.returncode}):\n{err[-4000:]}")
+            raise SystemExit(f"the run failed ({proc.returncode}):\n{(root / 'run.log').read_text()[-4000:]}")
         tally = account(run_dir / "ledger.jsonl")
         first = peaks[0] or peaks[1]
         result = {

@@ -2,84 +2,39 @@
 
     meshrl run recipes/ppo_arith.py *.model=runs/arith-sft
 
-Five services: inference, rollout, trainer (the actor), critic (its own model, optimizer and version)
-and reference (the initial policy, frozen). Rollout waits for each completion's `values` (critic) and
+recipes/grpo_arith.py plus two services: a critic (its own model, optimizer and version) and a
+reference (the initial policy, frozen). Rollout waits for each completion's `values` (critic) and
 `ref_logprobs` (reference), puts a per-token KL(behaviour || reference) penalty into the reward, and
 computes GAE advantages and returns; the actor trains on the advantages, the critic on the returns.
-Every service only adds columns to the same rows. Compare with recipes/grpo_arith.py.
+Every service only adds columns to the same rows.
 """
+
+import dataclasses
+
+from grpo_arith import GROUP, MODEL, PROMPTS, TEMPERATURE
+from grpo_arith import recipe as grpo_recipe
 
 from meshrl.recipe import Recipe, ServiceGroup
 from meshrl.roles.critic.config import CriticConfig
-from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.reference.config import ReferenceConfig
-from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.trainer.config import TrainerConfig
-
-MODEL = "runs/arith-sft"  # made by `make run` (meshrl demo); override with *.model=PATH
-PROMPTS, GROUP, TEMPERATURE = 16, 8, 1.0
 
 
 def recipe() -> Recipe:
-    return Recipe(
+    base = grpo_recipe().with_overrides(
+        ["rollout.advantage=gae", "rollout.gamma=1.0", "rollout.lam=0.95", "rollout.kl_in_reward=0.01",
+         "trainer.kl_metric=true"]
+    )  # fmt: skip
+    critic = CriticConfig(
+        model=MODEL, prompts_per_step=PROMPTS, group_size=GROUP, lr=1e-4, warmup_steps=5, mini_batches=4,
+        micro_batch=32, threads=1,
+    )  # fmt: skip
+    reference = ReferenceConfig(model=MODEL, temperature=TEMPERATURE, threads=1)
+    return dataclasses.replace(
+        base,
         name="ppo_arith",
-        total_steps=100,
-        seed=0,
         groups=(
-            ServiceGroup(
-                id="rollout",
-                config=RolloutConfig(
-                    model=MODEL,
-                    reward="meshrl.tasks.arith:reward",
-                    prompts_per_step=PROMPTS,
-                    group_size=GROUP,
-                    advantage="gae",
-                    gamma=1.0,
-                    lam=0.95,
-                    kl_in_reward=0.01,
-                    eval_every=25,
-                    eval_samples=4,
-                ),
-            ),
-            ServiceGroup(
-                id="inference",
-                config=InferenceConfig(model=MODEL, temperature=TEMPERATURE, max_new_tokens=4, threads=2),
-                devices_per_replica=1,
-            ),
-            ServiceGroup(
-                id="trainer",
-                config=TrainerConfig(
-                    model=MODEL,
-                    prompts_per_step=PROMPTS,
-                    group_size=GROUP,
-                    temperature=TEMPERATURE,
-                    lr=3e-4,
-                    warmup_steps=5,
-                    mini_batches=4,
-                    micro_batch=32,
-                    kl_metric=True,
-                    threads=2,
-                ),
-                devices_per_replica=1,
-            ),
-            ServiceGroup(
-                id="critic",
-                config=CriticConfig(
-                    model=MODEL,
-                    prompts_per_step=PROMPTS,
-                    group_size=GROUP,
-                    lr=1e-4,
-                    warmup_steps=5,
-                    mini_batches=4,
-                    micro_batch=32,
-                    threads=1,
-                ),
-                devices_per_replica=1,
-            ),
-            ServiceGroup(
-                id="reference",
-                config=ReferenceConfig(model=MODEL, temperature=TEMPERATURE, threads=1),
-                devices_per_replica=1,
-            ),
+            *base.groups,
+            ServiceGroup(id="critic", config=critic, devices_per_replica=1),
+            ServiceGroup(id="reference", config=reference, devices_per_replica=1),
         ),
     )
