@@ -213,3 +213,34 @@ def test_async_client(plane):
         await c.close()
 
     asyncio.run(main())
+
+
+@pytest.fixture
+def outside_address():
+    """A non-loopback address on the loopback interface (never an outside address); skipped when the
+    machine does not let us add one."""
+    import subprocess
+
+    addr = "10.254.0.1"
+    added = subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", "lo"], capture_output=True)
+    if added.returncode != 0:
+        pytest.skip(f"cannot add {addr} to lo: {added.stderr.decode().strip()}")
+    try:
+        yield addr
+    finally:
+        subprocess.run(["ip", "addr", "del", f"{addr}/32", "dev", "lo"], capture_output=True)
+
+
+def test_a_peer_off_loopback_without_the_secret_is_refused(tmp_path, outside_address):
+    from tests.conftest import free_base_port
+
+    port = free_base_port()
+    p = start_plane(tmp_path, "--controller", f"tcp://0.0.0.0:{port}", env={"MESHRL_SECRET": "s3cret"})
+    try:
+        endpoint = f"tcp://{outside_address}:{port}"
+        with pytest.raises(AuthError, match="shared secret"):
+            Client(endpoint, timeout=5)
+        with Client(endpoint, secret="s3cret") as c:  # the same peer with the secret is served
+            c.create_partition("rows", 4)
+    finally:
+        stop_plane(p)
