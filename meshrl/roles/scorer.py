@@ -9,14 +9,18 @@ trainer, whose claim lists that column, only ever sees rows that have it; nothin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshrl.dataplane import Batch, Ragged
-from meshrl.recipe import ServiceConfig, require
+from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
 from meshrl.service import Service
+
+if TYPE_CHECKING:
+    from meshrl.recipe import Recipe, ServiceGroup
 
 LEASE_S = 300.0  # a replica that dies gives its claimed rows back after this long
 
@@ -37,6 +41,17 @@ class ScorerConfig(ServiceConfig):
     def __post_init__(self) -> None:
         require(self.max_batch >= 1, "max_batch", "must be >= 1")
         require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+
+    def reads(self) -> Columns:
+        return {SAMPLES: ("prompt", "response")}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        problems = []
+        if not Path(self.model).exists():
+            problems.append(f"model: path {self.model!r} does not exist")
+        if group.devices_per_replica > 1:
+            problems.append("devices_per_replica: a scoring replica runs on one device (add replicas)")
+        return problems
 
 
 def token_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:

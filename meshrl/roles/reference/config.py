@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshrl.recipe import Columns
@@ -24,20 +23,13 @@ class ReferenceConfig(ScorerConfig):
     temperature: float = 1.0
     """Must equal the trainer's (checked)."""
 
-    def reads(self) -> Columns:
-        return {SAMPLES: ("prompt", "response")}
-
     def writes(self) -> Columns:
         return {SAMPLES: ("ref_logprobs",)}
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         from meshrl.roles.trainer.config import TrainerConfig
 
-        problems = []
-        if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist")
-        if group.devices_per_replica > 1:
-            problems.append("devices_per_replica: a reference replica runs on one device (add replicas)")
+        problems = super().check(recipe, group)
         for g in recipe.groups:
             if isinstance(g.config, TrainerConfig) and g.config.temperature != self.temperature:
                 problems.append(

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from meshrl.recipe import Columns
 from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
-
-if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,16 +22,5 @@ class RewardModelConfig(ScorerConfig):
     policy: str | None = None
     """Path of the policy's tokenizer (default: the rollout's model)."""
 
-    def reads(self) -> Columns:
-        return {SAMPLES: ("prompt", "response")}
-
     def writes(self) -> Columns:
         return {SAMPLES: ("rm_score",)}
-
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
-        problems = []
-        if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist")
-        if group.devices_per_replica > 1:
-            problems.append("devices_per_replica: a reward-model replica runs on one device (add replicas)")
-        return problems
