@@ -81,7 +81,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="meshrl-chaos-") as tmp:
         root = Path(tmp)
-        model = build_models(root / "models", 60)
+        model, _ = build_models(root / "models", 60)
         run_dir = root / "run"
         restart = [f"{g}.restart.{k}" for g in VICTIMS for k in ("mode=on-failure", f"max_restarts={args.kills}",
                                                                   "backoff_s=0.2")]  # fmt: skip

@@ -3,8 +3,10 @@
     python benchmarks/e2e_cpu.py --json                      # recipes/grpo_arith.py, 40 steps
     python benchmarks/e2e_cpu.py --steps 100 --prompts 64 --json
     python benchmarks/e2e_cpu.py --recipe ppo_arith --json  # + critic and reference services
+    python benchmarks/e2e_cpu.py --recipe opd_arith --json  # + a teacher (on-policy distillation)
 
-Builds the tiny model and its supervised warm start (as `make run` does), runs the recipe as separate
+Builds the tiny model and its supervised warm start (as `make run` does; for a recipe with a teacher,
+also the teacher: a longer supervised run of `--teacher-sft-steps`), runs the recipe as separate
 processes, samples the resident memory of the whole process tree every 0.2 s, and reads the trainer's
 metrics.jsonl. Steady state excludes the first `--warmup` steps.
 
@@ -15,7 +17,10 @@ metrics.jsonl. Steady state excludes the first `--warmup` steps.
 - peak_rss_mb: peak of the summed RSS of every process of the run (shared pages counted per process;
   peak_pss_mb counts them once);
 - overhead_fraction: share of steady-state step time outside generation, forward/backward and
-  optimizer steps (queue traffic, weight sync, waiting, bookkeeping).
+  optimizer steps (queue traffic, weight sync, waiting, bookkeeping);
+- teacher_agreement_first10 / _last10 (recipes with a teacher): share of response tokens where the
+  student's most likely token is the teacher's, first and last 10 steps; teacher_kl_first10 / _last10
+  the forward KL from the teacher's top-k.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 
 
-def build_models(root: Path, sft_steps: int) -> Path:
+def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Path, Path | None]:
+    """(the student / policy, the teacher if `teacher_steps`)."""
     import torch
 
     from meshrl.models.tiny import build_tiny_model
@@ -46,7 +52,18 @@ def build_models(root: Path, sft_steps: int) -> Path:
     torch.set_num_threads(2)
     base = build_tiny_model(root / "base")
     train(SFTConfig(model=str(base), out=str(root / "sft"), steps=sft_steps))
-    return root / "sft"
+    if not teacher_steps:
+        return root / "sft", None
+    train(SFTConfig(model=str(base), out=str(root / "teacher"), steps=teacher_steps))
+    return root / "sft", root / "teacher"
+
+
+def teacher_groups(recipe: str) -> list[str]:
+    from meshrl.recipe import load_recipe
+    from meshrl.roles.teacher.config import TeacherConfig
+
+    r = load_recipe(REPO / "recipes" / f"{recipe}.py")
+    return [g.id for g in r.groups if isinstance(g.config, TeacherConfig)]
 
 
 class MemoryWatch:
@@ -81,8 +98,11 @@ class MemoryWatch:
         self.thread.join()
 
 
-def run(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, object]:
+def run(
+    args: argparse.Namespace, model: Path, run_dir: Path, teacher: Path | None = None
+) -> dict[str, object]:
     overrides = [f"*.model={model}", f"run_dir={run_dir}", f"total_steps={args.steps}"]
+    overrides += [f"{gid}.model={teacher}" for gid in teacher_groups(args.recipe)] if teacher else []
     if args.window != "1":
         overrides.append(f"rollout.window={args.window}")
     if args.prompts:
@@ -120,6 +140,7 @@ def run(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, objec
             for k in ("generate", "forward_backward", "optimizer", "sync", "wait")
         },
         **critic_figures(run_dir, args.warmup),
+        **teacher_figures(metrics),
         "steps": len(metrics),
         "wall_s": round(wall, 1),
         "recipe": args.recipe,
@@ -143,6 +164,18 @@ def critic_figures(run_dir: Path, warmup: int) -> dict[str, object]:
     }
 
 
+def teacher_figures(metrics: list[dict]) -> dict[str, object]:
+    """For recipes with a teacher: the student's agreement with it and KL to it, first and last 10."""
+    if "teacher_agreement" not in metrics[0]:
+        return {}
+    out: dict[str, object] = {}
+    for key in ("agreement", "kl"):
+        values = [m[f"teacher_{key}"] for m in metrics]
+        out[f"teacher_{key}_first10"] = round(sum(values[:10]) / len(values[:10]), 4)
+        out[f"teacher_{key}_last10"] = round(sum(values[-10:]) / len(values[-10:]), 4)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
@@ -152,13 +185,17 @@ def main() -> None:
     ap.add_argument("--window", default="1", help="rollout pacing window: 1, k, or None")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's)")
     ap.add_argument("--sft-steps", type=int, default=60)
+    ap.add_argument("--teacher-sft-steps", type=int, default=200, help="for recipes with a teacher")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshrl-e2e-") as tmp:
         root = Path(tmp)
-        model = build_models(root / "models", args.sft_steps)
+        teachers = teacher_groups(args.recipe)
+        model, teacher = build_models(
+            root / "models", args.sft_steps, args.teacher_sft_steps if teachers else 0
+        )
         os.makedirs(root / "work", exist_ok=True)
-        result = run(args, model, root / "work" / "run")
+        result = run(args, model, root / "work" / "run", teacher)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

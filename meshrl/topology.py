@@ -36,6 +36,7 @@ PRODUCER_HINTS = {
     "rm_score": "add a reward-model service group",
     "teacher_topk_ids": "add a teacher service group",
     "teacher_topk_logprobs": "add a teacher service group",
+    "teacher_logprobs": "add a teacher service group",
 }
 
 

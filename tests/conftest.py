@@ -103,6 +103,33 @@ def arith_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+def _sft(base: Path, out: Path, steps: int) -> Path:
+    import torch
+
+    from meshrl.sft import SFTConfig, train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(SFTConfig(model=str(base), out=str(out), steps=steps))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="session")
+def teacher_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A strong arithmetic model (a longer supervised run: ~95% greedy accuracy), as recipes/opd_arith.py
+    documents it."""
+    return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-teacher", 200)
+
+
+@pytest.fixture(scope="session")
+def weak_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A weak student: half the demo's warm start (~10% greedy accuracy)."""
+    return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-weak", 30)
+
+
 def free_base_port() -> int:
     """A base port with room for a run's ports above it (runs in parallel tests must not collide)."""
     import socket

@@ -312,9 +312,13 @@ class Controller:
             self.next_seg += 1
             self.segments[index] = info
             self.seg_by_name[msg.segment.name] = index
+        if self.ledger is not None and self.ledger.tracks(part.name):
+            names = [c.name for c in msg.columns]
+            if msg.ids is None:
+                self.ledger.put(part.name, self.next_id, msg.n, names)
+            else:
+                self.ledger.set(part.name, names, ids)
         if msg.ids is None:
-            if self.ledger is not None and self.ledger.tracks(part.name):
-                self.ledger.put(part.name, self.next_id, msg.n)
             self.next_id += msg.n
         info.refs += refs
         client = self.clients.get(msg.client)

@@ -1,9 +1,11 @@
 """The sample ledger: an append-only record, kept by the controller, of every row produced, consumed
 (per consumer) and deleted in the partitions it is asked to track.
 
-One JSON line per operation: {"op": "put", "p": partition, "first": id, "n": rows} for new rows (ids
-are consecutive), {"op": "ack", "p", "c": consumer, "ids": [...]}, {"op": "del", "p", "ids": [...]} for
-explicit deletes (retention deletes follow from acks and are not written). The controller writes it as
+One JSON line per operation: {"op": "put", "p": partition, "first": id, "n": rows, "cols": [...]} for
+new rows (ids are consecutive), {"op": "set", "p", "cols": [...], "ids": [...]} for columns added to
+existing rows, {"op": "ack", "p", "c": consumer, "ids": [...]}, {"op": "del", "p", "ids": [...]} for
+explicit deletes (retention deletes follow from acks and are not written). With the column writes, the
+ledger shows what every row held when each consumer took it (`written_before`). The controller writes it as
 it applies requests, so the order is the order of effect. A data-plane snapshot records the ledger's
 length; restoring it cuts the ledger back to that length, so after a resume the ledger describes the
 run that continued, and `account` can prove that no row was lost or consumed twice.
@@ -30,8 +32,11 @@ class Ledger:
     def tracks(self, partition: str) -> bool:
         return partition in self.partitions
 
-    def put(self, partition: str, first: int, n: int) -> None:
-        self._write({"op": "put", "p": partition, "first": first, "n": n})
+    def put(self, partition: str, first: int, n: int, columns: list[str]) -> None:
+        self._write({"op": "put", "p": partition, "first": first, "n": n, "cols": columns})
+
+    def set(self, partition: str, columns: list[str], ids: np.ndarray) -> None:
+        self._write({"op": "set", "p": partition, "cols": columns, "ids": ids.tolist()})
 
     def ack(self, partition: str, consumer: str, ids: np.ndarray) -> None:
         self._write({"op": "ack", "p": partition, "c": consumer, "ids": ids.tolist()})
@@ -99,3 +104,34 @@ def account(path: str | Path, partition: str = "samples", consumer: str = "train
         duplicated=sum(n - 1 for n in consumed.values()),
         unknown=len(done - produced),
     )
+
+
+def written_before(
+    path: str | Path,
+    columns: tuple[str, ...] | list[str],
+    partition: str = "samples",
+    consumer: str = "trainer",
+) -> tuple[int, int]:
+    """(rows `consumer` acknowledged, of those how many had every one of `columns` written before the
+    acknowledgement), from a ledger file: a consumer whose claim lists the columns must give equal
+    numbers."""
+    have: dict[int, set[str]] = {}
+    want = set(columns)
+    acked = complete = 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r["p"] != partition:
+                continue
+            if r["op"] == "put":
+                for i in range(r["first"], r["first"] + r["n"]):
+                    have[i] = set(r.get("cols", ()))
+            elif r["op"] == "set":
+                for i in r["ids"]:
+                    have.setdefault(i, set()).update(r["cols"])
+            elif r["op"] == "ack" and r["c"] == consumer:
+                acked += len(r["ids"])
+                complete += sum(want <= have.get(i, set()) for i in r["ids"])
+    return acked, complete

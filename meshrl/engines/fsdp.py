@@ -18,12 +18,13 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshrl.algorithms.distill import topk_forward_kl
 from meshrl.algorithms.losses import (
     aggregate,
     decoupled_ppo,
@@ -51,6 +52,9 @@ class TrainBatch:
     stale: torch.Tensor | None = None  # [n] bool: generated with weights older than the step's start
     values: torch.Tensor | None = None  # [n, L-1] critic values the advantages were computed with
     returns: torch.Tensor | None = None  # [n, L-1] the critic's regression targets
+    # per teacher (column prefix): top-k ids [n, L-1, k], top-k logprobs [n, L-1, k], sampled-token
+    # logprobs [n, L-1]
+    teachers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -58,7 +62,7 @@ class TrainBatch:
     def rows(self, index: torch.Tensor) -> TrainBatch:
         """A subset of rows, trimmed to its own longest row."""
         width = int(self.attention_mask[index].sum(1).max())
-        pick = lambda t: None if t is None else t[index][:, : width - 1] if t.dim() == 2 else t[index]  # noqa: E731
+        pick = lambda t: None if t is None else t[index][:, : width - 1] if t.dim() >= 2 else t[index]  # noqa: E731
         return TrainBatch(
             input_ids=self.input_ids[index][:, :width],
             attention_mask=self.attention_mask[index][:, :width],
@@ -69,6 +73,7 @@ class TrainBatch:
             stale=None if self.stale is None else self.stale[index],
             values=pick(self.values),
             returns=pick(self.returns),
+            teachers={k: tuple(pick(t) for t in v) for k, v in self.teachers.items()},  # type: ignore[misc]
         )
 
 
@@ -83,6 +88,7 @@ def pack(
     stale: torch.Tensor | None = None,
     values: Ragged | None = None,
     returns: Ragged | None = None,
+    teachers: dict[str, tuple[Ragged, Ragged, Ragged]] | None = None,
 ) -> TrainBatch:
     """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
 
@@ -102,21 +108,27 @@ def pack(
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
     mask[row_r, col_r - 1] = valid.bool()[row_r]
 
-    def tokens(column: Ragged | list[torch.Tensor] | None) -> torch.Tensor | None:
+    def tokens(column: Ragged | list[torch.Tensor] | None, dtype: torch.dtype = torch.float32) -> Any:
         if column is None:
             return None
         column = column if isinstance(column, Ragged) else Ragged.from_list(column)
-        out = torch.zeros((n, width - 1), dtype=torch.float32)
-        out[row_r, col_r - 1] = column.values.float()
+        out = torch.zeros((n, width - 1, *column.values.shape[1:]), dtype=dtype)
+        out[row_r, col_r - 1] = column.values.to(dtype)
         return out
 
     old = tokens(logprobs)
     old = torch.zeros(mask.shape) if old is None else old
     if isinstance(advantages, Ragged):
-        adv = torch.where(mask, tokens(advantages), 0.0)  # type: ignore[arg-type]
+        adv = torch.where(mask, tokens(advantages), 0.0)
     else:
         adv = torch.where(valid.bool(), advantages.float(), 0.0)
-    return TrainBatch(ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns))
+    distill = {
+        name: (tokens(top_ids, torch.long), tokens(top_lp), tokens(sampled))
+        for name, (top_ids, top_lp, sampled) in (teachers or {}).items()
+    }
+    return TrainBatch(
+        ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill
+    )
 
 
 def _positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,14 +237,17 @@ class FSDPEngine:
             dist.all_reduce(t)
         return t.tolist()
 
-    def forward_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs [n, L-1] of the next tokens, entropy [n, L-1]) under logits / temperature."""
+    def forward_logprobs(
+        self, mb: TrainBatch, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logprobs [n, L-1] of the next tokens, entropy [n, L-1], logits [n, L-1, V]); logprobs and
+        entropy under logits / temperature."""
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)
         ent = entropy(logits, temperature=temperature)
-        return lp, ent
+        return lp, ent, logits
 
     def update_policy(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
         """Train on `batch` (this rank's share of a mini-batch) as `cfg` (a TrainerConfig) describes:
@@ -270,6 +285,10 @@ class FSDPEngine:
         keys = ("pg_loss", "entropy", "kl_ref", "kl_behaviour", "clip_fraction", "approx_kl")
         sums = dict.fromkeys(keys, 0.0)
         sums.update(is_weight_mean=0.0, is_truncated_fraction=0.0)
+        if batch.teachers:  # forward KL to each teacher's top-k, top-1 agreement, reverse KL
+            sums["distill_loss"] = 0.0
+            for name in sorted(batch.teachers):
+                sums.update({f"{name}_kl": 0.0, f"{name}_agreement": 0.0, f"{name}_reverse_kl": 0.0})
         ratio_max = is_max = 0.0
         for k in range(n_chunks):
             if hasattr(self.model, "set_requires_gradient_sync"):
@@ -278,7 +297,7 @@ class FSDPEngine:
             if k >= len(chunks):
                 mb.mask = torch.zeros_like(mb.mask)
             mask = mb.mask.to(self.device)
-            lp, ent = self.forward_logprobs(mb, cfg.temperature)
+            lp, ent, logits = self.forward_logprobs(mb, cfg.temperature)
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
             out = self._policy_loss(
@@ -292,6 +311,19 @@ class FSDPEngine:
                 if cfg.kl_coef > 0:
                     loss = loss + cfg.kl_coef * kl_term
                 sums["kl_ref"] += float(kl_term.detach())
+            for name, (top_ids, top_lp, sampled) in mb.teachers.items():
+                d_loss, per = topk_forward_kl(
+                    logits, top_ids.to(self.device), top_lp.to(self.device), mask, temperature=cfg.temperature,
+                    floor=cfg.distill_floor, aggregation=cfg.loss_agg, normalizer=normalizer,
+                )  # fmt: skip
+                if cfg.distill_coef > 0:
+                    loss = loss + cfg.distill_coef * cfg.teachers[name] * d_loss
+                with torch.no_grad():
+                    reverse = torch.where(mask, lp.detach() - sampled.to(self.device), 0.0).sum()
+                    sums["distill_loss"] += cfg.teachers[name] * float(d_loss.detach())
+                    sums[f"{name}_kl"] += float(per["kl"].sum()) / max(g_tokens, 1.0)
+                    sums[f"{name}_agreement"] += float(per["agree"].sum()) / max(g_tokens, 1.0)
+                    sums[f"{name}_reverse_kl"] += float(reverse) / max(g_tokens, 1.0)
             loss.backward()
             weight = float(mask.sum()) / max(g_tokens, 1.0)
             with torch.no_grad():
@@ -305,7 +337,8 @@ class FSDPEngine:
             is_max = max(is_max, out.metrics.get("is_weight_max", 0.0))
         t1 = time.perf_counter()
         reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
-        step = self._step(loss_finite=math.isfinite(reduced["pg_loss"]))
+        total = reduced["pg_loss"] + reduced["kl_ref"] + reduced.get("distill_loss", 0.0)
+        step = self._step(loss_finite=math.isfinite(total))
         t2 = time.perf_counter()
         if cfg.off_policy == "none":
             for key in ("is_weight_mean", "is_truncated_fraction"):
@@ -316,7 +349,8 @@ class FSDPEngine:
             **reduced,
             "loss": reduced["pg_loss"]
             - cfg.entropy_coef * reduced["entropy"]
-            + cfg.kl_coef * reduced["kl_ref"],
+            + cfg.kl_coef * reduced["kl_ref"]
+            + cfg.distill_coef * reduced.get("distill_loss", 0.0),
             "ratio_max": self._max([ratio_max]),
             **step,
             "time/forward_backward_s": t1 - t0,
@@ -414,7 +448,7 @@ class FSDPEngine:
             for p, old in zip(params, self._snapshot, strict=True):
                 _local(p).copy_(old)
             try:
-                lp, _ = self.forward_logprobs(mb, cfg.temperature)
+                lp, _, _ = self.forward_logprobs(mb, cfg.temperature)
             finally:
                 for p, now in zip(params, current, strict=True):
                     _local(p).copy_(now)

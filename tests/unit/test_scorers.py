@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from meshrl.dataplane import Ragged
 from meshrl.roles.reference.service import response_logprobs
 from meshrl.roles.reward_model.service import last_token_scores
 from meshrl.roles.scorer import token_batches
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def rows(n: int, seed: int = 0) -> tuple[Ragged, Ragged]:
@@ -56,3 +61,48 @@ def test_reward_model_scores_match_unpadded_rows(tmp_path):
             want = model(input_ids=s[None]).logits[0, 0]
             torch.testing.assert_close(got[i], want, atol=1e-5, rtol=0)
     assert model.config.pad_token_id == 0  # restored
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_teacher_topk_matches_the_model_row_by_row(tiny_model, streamed):
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.roles.teacher.service import TopK, head_is_linear
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    assert head_is_linear(model)
+    prompts, responses = rows(7, seed=3)
+    topk = TopK(model, k=5, temperature=0.8, max_tokens=20, token_chunk=4, vocab_chunk=7, streamed=streamed)
+    ids, lps, sampled = topk(prompts, responses)
+    with torch.no_grad():
+        for i in range(7):
+            seq = torch.cat([prompts[i], responses[i]])
+            lp = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1] / 0.8, -1)[len(prompts[i]) - 1 :]
+            top = lp.topk(5, -1)
+            assert ids[i].dtype == torch.int32 and torch.equal(ids[i].long(), top.indices)
+            torch.testing.assert_close(lps[i], top.values, atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                sampled[i], lp.gather(-1, responses[i][:, None]).squeeze(-1), atol=1e-5, rtol=0
+            )
+
+
+def test_teacher_with_another_vocabulary_fails_at_start_up(tiny_model, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from meshrl.recipe import RecipeError, load_recipe
+    from meshrl.topology import Device, plan
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<tool>"])
+    tok.save_pretrained(other)
+    recipe = load_recipe(
+        REPO / "recipes" / "opd_arith.py", [f"*.model={tiny_model}", f"teacher.model={other}"]
+    )
+    with pytest.raises(RecipeError, match=r"teacher's tokenizer \(\d+ tokens\) differs from trainer's"):
+        plan(recipe, [Device(i, "localhost", i) for i in range(3)])
+    ok = load_recipe(REPO / "recipes" / "opd_arith.py", [f"*.model={tiny_model}"])
+    assert plan(ok, [Device(i, "localhost", i) for i in range(3)]).replicas

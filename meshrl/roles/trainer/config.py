@@ -88,6 +88,20 @@ class TrainerConfig(ServiceConfig):
     kl_metric: bool = False
     """Read ref_logprobs and report kl_ref even when kl_coef is 0 (e.g. the KL penalty is in the reward)."""
     kl_estimator: str = "k3"
+    teachers: dict[str, float] = field(default_factory=lambda: {"teacher": 1.0})
+    """On-policy distillation: the teachers to learn from (their column prefix) and their weights.
+    Read only when distill_coef, distill_advantage or distill_metric asks for them."""
+    distill_coef: float = 0.0
+    """Weight of the loss term forward-KL(teacher top-k || student) at every response token."""
+    distill_advantage: float = 0.0
+    """Weight of the dense per-token advantage log p_teacher - log p_student (of the sampled token;
+    a reverse-KL reward), added to pg_coef times the task advantage."""
+    pg_coef: float = 1.0
+    """Weight of the task advantage (the reward's policy gradient) in the loss."""
+    distill_floor: float = -20.0
+    """Clamp of the student's logprobs in the forward KL: a token it rules out costs a bounded loss."""
+    distill_metric: bool = False
+    """Read the teachers' columns and report KL / agreement even when both coefficients are 0."""
     inference: tuple[str, ...] = ("inference",)
     """Group ids of the inference services that receive each new weight version."""
     bucket_mb: int = 64
@@ -120,13 +134,29 @@ class TrainerConfig(ServiceConfig):
         require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "must be > 1 (or None)")
         require(self.kl_coef >= 0 and self.entropy_coef >= 0, "kl_coef", "coefficients must be >= 0")
         require(self.kl_target is None or self.kl_target > 0, "kl_target", "must be > 0 (or None)")
+        require(
+            min(self.distill_coef, self.distill_advantage, self.pg_coef) >= 0, "distill_coef",
+            "distill_coef, distill_advantage and pg_coef must be >= 0",
+        )  # fmt: skip
+        require(
+            not self.distills or (bool(self.teachers) and all(w > 0 for w in self.teachers.values())),
+            "teachers",
+            f"{self.teachers!r}: distillation needs at least one teacher, each with a weight > 0",
+        )
+
+    @property
+    def distills(self) -> bool:
+        """Whether the trainer reads teacher columns."""
+        return self.distill_coef > 0 or self.distill_advantage > 0 or self.distill_metric
 
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
 
     def columns(self) -> tuple[str, ...]:
-        cols = (
+        from meshrl.roles.teacher.config import teacher_columns
+
+        cols: tuple[str, ...] = (
             "prompt",
             "response",
             "logprobs",
@@ -137,7 +167,10 @@ class TrainerConfig(ServiceConfig):
             "gen_s",
             "gen_batch",
         )
-        return cols + (("ref_logprobs",) if self.kl_coef > 0 or self.kl_metric else ())
+        cols += ("ref_logprobs",) if self.kl_coef > 0 or self.kl_metric else ()
+        for name in sorted(self.teachers) if self.distills else ():
+            cols += teacher_columns(name)
+        return cols
 
     def reads(self) -> Columns:
         return {SAMPLES: self.columns()}

@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 
 from meshrl import checkpoint as ckpt
+from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
 from meshrl.dataplane import Batch, Ragged
-from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
+from meshrl.engines.fsdp import FSDPEngine, OptimConfig, TrainBatch, pack
 from meshrl.roles import GATE, SAMPLES
+from meshrl.roles.teacher.config import teacher_columns
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.service import Service
 from meshrl.weights import WeightGroup
@@ -184,7 +186,13 @@ class TrainerService(Service):
             batch.tensor("valid"),
             ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
             stale=batch.tensor("version")[:, 0] < self.version,
+            teachers={
+                name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
+                for name in (cfg.teachers if cfg.distills else ())
+            },
         )
+        if cfg.distill_advantage > 0 or cfg.pg_coef != 1.0:
+            packed.advantages = distilled_advantages(packed, cfg)
         if cfg.kl_target is not None:
             cfg = dataclasses.replace(cfg, kl_coef=self.kl.coef)
         stats = self.engine.update_policy(packed, cfg)
@@ -375,6 +383,18 @@ class TrainerService(Service):
         if dist.is_initialized():
             dist.destroy_process_group()
         super().close()
+
+
+def distilled_advantages(packed: TrainBatch, cfg: TrainerConfig) -> torch.Tensor:
+    """Per-token advantages [n, L-1]: pg_coef x the task advantage plus distill_advantage x each
+    teacher's weight x (its logprob - the behaviour logprob) of every sampled token."""
+    adv = packed.advantages
+    adv = cfg.pg_coef * (adv.unsqueeze(-1).expand(packed.mask.shape) if adv.dim() == 1 else adv)
+    for name, (_, _, sampled) in packed.teachers.items() if cfg.distill_advantage > 0 else ():
+        adv = adv + cfg.distill_advantage * cfg.teachers[name] * reverse_kl_advantages(
+            sampled, packed.old_logprobs, packed.mask
+        )
+    return torch.where(packed.mask, adv, 0.0)
 
 
 def summarize(batch: Batch, version: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,1 @@
+"""The teacher service (on-policy distillation)."""
