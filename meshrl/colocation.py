@@ -29,6 +29,7 @@ through `Service.device_turn()`, which is a no-op for a group that is in no ring
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -281,10 +282,16 @@ class RingMember:
                 granted.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not granted.wait(1.0):
+            if self.stop.is_set():
+                raise RuntimeError(f"ring {self.plan.id}: closed while waiting for a grant")
             if self.arbiter is not None and self.arbiter.error is not None:
                 raise RuntimeError(f"ring {self.plan.id}: the arbiter failed") from self.arbiter.error
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"ring {self.plan.id}: no grant after {timeout}s")
+        waited = time.perf_counter() - t0
+        self.wait_s += waited
+        self.turns += 1
+        self.restore()  # before the turn is visible: a preemption can only take it once restored
         with self.cond:
             del self.granted[rid]
             self.grants.discard(rid)
@@ -292,10 +299,8 @@ class RingMember:
             self.preempt.clear()
             if rid in self.preempts:
                 self.preempt.set()
-        waited = time.perf_counter() - t0
-        self.wait_s += waited
-        self.turns += 1
-        self.restore()
+        if self.preempt.is_set():
+            self.on_preempt()
         return waited
 
     def release(self) -> None:
@@ -308,6 +313,30 @@ class RingMember:
             self.preempts.discard(rid)
         event = torch.tensor([[RELEASE, self.member, self.index, rid]])
         self.client.put(self.part, {"event": event}, meta=[{"by": self.process}])
+
+    def acquire_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[float]:
+        """`acquire` on a daemon thread, for asyncio services (an executor thread could outlive the loop
+        waiting for a grant that never comes)."""
+        future: asyncio.Future[float] = loop.create_future()
+
+        def done(result: float | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(float(result or 0.0))
+
+        def body() -> None:
+            try:
+                waited = self.acquire()
+            except BaseException as e:
+                loop.call_soon_threadsafe(done, None, e)
+            else:
+                loop.call_soon_threadsafe(done, waited, None)
+
+        threading.Thread(target=body, name="ring-acquire", daemon=True).start()
+        return future
 
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:

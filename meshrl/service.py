@@ -8,6 +8,7 @@ trainer) writes a `finished` row into the `control` partition; every service wat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,13 +17,16 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshrl.dataplane import AsyncClient, Client
 from meshrl.recipe import Recipe, ServiceConfig
 from meshrl.topology import HEALTH, Process, Replica, Topology
+
+if TYPE_CHECKING:
+    from meshrl.colocation import RingMember
 
 CONTROL = "control"
 FINISHED = 1  # control event: training is over, every service exits
@@ -115,6 +119,7 @@ class Service:
         self._control: Client | None = None
         self._checked = 0.0
         self._finished = False
+        self.ring: RingMember | None = None
 
     def setup(self) -> None:
         """Load models, connect, declare what this service consumes. Runs before the service is ready."""
@@ -123,8 +128,54 @@ class Service:
         raise NotImplementedError
 
     def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
         if self._control is not None:
             self._control.close()
+
+    # ---------------------------------------------------------------------------------------------------
+    # colocation (meshrl/colocation.py)
+
+    def offload(self) -> None:
+        """Release device (on CPU: resident) memory; called when this service leaves its device turn."""
+
+    def restore(self) -> None:
+        """Undo `offload`; called when this service gets the devices back."""
+
+    def join_ring(self) -> None:
+        """After setup: if this service's group is in a colocation ring, take part in it, starting with
+        memory offloaded (the devices are the ring's, not this service's)."""
+        from meshrl.colocation import RingMember, RingPlan
+
+        ring = next(
+            (r for r in self.ctx.recipe.rings if self.ctx.replica.group in {m.group for m in r.members}), None
+        )
+        if ring is None:
+            return
+        self.ring = RingMember(
+            RingPlan.of(ring, self.ctx.topology), self.ctx.name, self.ctx.client,
+            offload=self._offload, restore=self._restore,
+        )  # fmt: skip
+        self._offload()
+
+    def device_turn(self) -> contextlib.AbstractContextManager[None]:
+        """Wrap device work in it: a no-op unless the service shares its devices in a ring; then it waits
+        for the ring's token (and restores) on entry and offloads and passes the token on exit."""
+        return self.ring.turn() if self.ring is not None else contextlib.nullcontext()
+
+    def _offload(self) -> None:
+        rss = _rss_mb()
+        t0 = time.perf_counter()
+        self.offload()
+        info = self.ctx.health.info
+        info["offloads"] = info.get("offloads", 0) + 1
+        info["offload_s"] = round(time.perf_counter() - t0, 4)
+        info["rss_drop_mb"] = round(rss - _rss_mb(), 1)
+
+    def _restore(self) -> None:
+        t0 = time.perf_counter()
+        self.restore()
+        self.ctx.health.info["restore_s"] = round(time.perf_counter() - t0, 4)
 
     # ---------------------------------------------------------------------------------------------------
     # run state
@@ -175,6 +226,12 @@ class Service:
         """Announce that training is over: every service of the run exits."""
         self.control().put(CONTROL, {"event": torch.tensor([FINISHED])}, meta=[{"by": self.ctx.name}])
         self._finished = True
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return float(psutil.Process().memory_info().rss) / 2**20
 
 
 def health_port(process: Process) -> int:

@@ -52,6 +52,7 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         service.setup()
+        service.join_ring()
         logging.getLogger("meshrl.worker").info("ready after %.1fs", time.monotonic() - t0)
         health.state = "running"
         service.run()

@@ -132,6 +132,16 @@ class InferenceEngine(abc.ABC):
         trainer holding the same HF model can send its tensors by name.
         """
 
+    def offload(self, path: str) -> int:
+        """Release the weights (and any cache) from device and resident memory, keeping them in the file
+        `path`; `load_weights` still works meanwhile (it updates the file). Returns bytes released.
+        Engines without anything to release return 0."""
+        return 0
+
+    def restore(self) -> int:
+        """Bring the weights back (the newest loaded ones). Returns bytes restored."""
+        return 0
+
     @abc.abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each tensor into the parameter of that name (converting dtype and device).

@@ -428,6 +428,20 @@ class FSDPEngine:
 
     # ---------------------------------------------------------------------------------------------------
 
+    def offload(self, path: str) -> int:
+        """Parameters and optimizer state out of memory into the file `path` (gradients are None between
+        steps). Returns bytes released."""
+        from meshrl.offload import HostStore
+
+        self.store = HostStore(path)
+        named = [(f"param:{n}", _local(p)) for n, p in self.model.named_parameters()]
+        for i, state in enumerate(self.optimizer.state.values()):
+            named += [(f"optim:{i}:{k}", _local(v)) for k, v in state.items() if isinstance(v, torch.Tensor)]
+        return self.store.offload(named)
+
+    def restore(self) -> int:
+        return self.store.restore()
+
     def snapshot(self) -> None:
         """Remember the current weights as the proximal policy (called at the start of each step)."""
         with torch.no_grad():

@@ -174,7 +174,21 @@ class HFEngine(InferenceEngine):
         return list(self._listing)
 
     @torch.no_grad()
+    def offload(self, path: str) -> int:
+        from meshrl.offload import HostStore
+
+        self.store = HostStore(path)
+        return self.store.offload(self.model.named_parameters(remove_duplicate=False))
+
+    def restore(self) -> int:
+        return self.store.restore()
+
+    @property
+    def offloaded(self) -> bool:
+        return getattr(self, "store", None) is not None and self.store.offloaded
+
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        offloaded = self.offloaded
         for name, tensor in named:
             param = self._by_name.get(name)
             if param is None:
@@ -184,7 +198,10 @@ class HFEngine(InferenceEngine):
                     f"shape mismatch for parameter {name!r}: got {tuple(tensor.shape)}, "
                     f"expected {tuple(param.shape)}"
                 )
-            param.copy_(tensor)
+            if offloaded:
+                self.store.write(name, tensor.to(param.dtype))
+            else:
+                param.copy_(tensor)
 
     # -- generation --------------------------------------------------------------------------------
 

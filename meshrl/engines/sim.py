@@ -109,6 +109,12 @@ class SimTrainEngine:
             "time/optimizer_s": 0.0,
         }
 
+    def offload(self, path: str) -> int:
+        return 0
+
+    def restore(self) -> int:
+        return 0
+
     def snapshot(self) -> None:
         pass
 

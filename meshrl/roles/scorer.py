@@ -82,9 +82,11 @@ def right_padded(
 
 
 class ScorerService(Service):
-    """Subclasses set `needs` and implement `load()` and `score(batch) -> columns`."""
+    """Subclasses set `needs` and implement `load()` (which sets `self.model`, the frozen module) and
+    `score(batch) -> columns`."""
 
     needs: tuple[str, ...] = ("prompt", "response")
+    model: Any
 
     def setup(self) -> None:
         if self.config.threads:
@@ -122,7 +124,7 @@ class ScorerService(Service):
                     if self.finished():
                         return
                     continue
-                with torch.no_grad():
+                with torch.no_grad(), self.device_turn():
                     columns = self.score(batch)
                 self.client.put(SAMPLES, columns, ids=batch.ids)
                 self.client.ack(batch)
@@ -130,6 +132,15 @@ class ScorerService(Service):
                 self.ctx.health.info["scored"] = self.scored
         finally:
             stream.close()
+
+    def offload(self) -> None:
+        from meshrl.offload import HostStore
+
+        self.store = HostStore(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin")
+        self.store.offload(self.model.named_parameters(remove_duplicate=False))
+
+    def restore(self) -> None:
+        self.store.restore()
 
     def close(self) -> None:
         if hasattr(self, "client"):

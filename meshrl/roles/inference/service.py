@@ -102,15 +102,32 @@ class InferenceService(Service):
         cfg = self.config
         self.loop = asyncio.get_running_loop()
         self.new_version = asyncio.Event()
+        preempted = asyncio.Event()
+        self.acquiring: asyncio.Future[float] | None = None
+        if self.ring is not None:  # a FALLBACK member: hold the devices whenever nobody else asks
+            loop = self.loop
+
+            def on_preempt() -> None:
+                loop.call_soon_threadsafe(preempted.set)
+
+            self.ring.on_preempt = on_preempt
+            self.acquiring = self.ring.acquire_async(loop)
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
         pending: dict[str, asyncio.Task[Any]] = {
             kind: asyncio.create_task(self.claim(client, kind, cfg.max_batch)) for kind in (EVAL, SAMPLES)
         }
         run_over = asyncio.create_task(self.watch_run(client))
         version_task: asyncio.Task[Any] = asyncio.create_task(self.new_version.wait())
+        preempt_task: asyncio.Task[Any] = asyncio.create_task(preempted.wait())
         try:
             while not run_over.done():
-                await asyncio.wait([*pending.values(), version_task, run_over], return_when="FIRST_COMPLETED")
+                await asyncio.wait(
+                    [*pending.values(), version_task, run_over, preempt_task], return_when="FIRST_COMPLETED"
+                )
+                if preempt_task.done():
+                    preempted.clear()
+                    preempt_task = asyncio.create_task(preempted.wait())
+                self.safe_point()
                 if self.receiver_error is not None:
                     raise RuntimeError("weight receiver failed") from self.receiver_error
                 if version_task.done():
@@ -125,9 +142,9 @@ class InferenceService(Service):
                         pending[kind] = asyncio.create_task(self.claim(client, kind, cfg.max_batch))
             run_over.result()  # a failure elsewhere in the run
         finally:
-            for task in [*pending.values(), version_task, run_over]:
+            for task in [*pending.values(), version_task, run_over, preempt_task]:
                 task.cancel()
-            for task in [*pending.values(), version_task, run_over]:
+            for task in [*pending.values(), version_task, run_over, preempt_task]:
                 with contextlib.suppress(BaseException):
                     await task
             await client.close()
@@ -143,7 +160,9 @@ class InferenceService(Service):
         ready = [i for i in work.rows if int(needs[i] or 0) <= version]
         later = [i for i in work.rows if int(needs[i] or 0) > version]
         if ready:
+            await self.hold_devices()
             columns = self.generate(work.batch, ready, eval_rows=work.kind == EVAL)
+            self.safe_point()
             ids = work.batch.ids[ready]
             await client.put(work.kind, columns, ids=ids)
             await client.ack(work.batch, None if not later and len(ready) == len(work.batch) else ids)
@@ -160,6 +179,30 @@ class InferenceService(Service):
             if now - work.renewed > LEASE_S / 3:
                 await client.renew(work.batch, LEASE_S)
                 work.renewed = now
+
+    async def hold_devices(self) -> None:
+        """In a colocation ring: wait until this replica holds the ring's devices."""
+        if self.ring is None or self.ring.holding:
+            return
+        if self.acquiring is None and self.loop is not None:
+            self.acquiring = self.ring.acquire_async(self.loop)
+        assert self.acquiring is not None
+        await self.acquiring
+        self.acquiring = None
+
+    def safe_point(self) -> None:
+        """Between batches: if an ON_DEMAND ring member asked for the devices, offload and pass them on,
+        then ask again at once (the next grant comes when nobody else is waiting)."""
+        if self.ring is not None and self.loop is not None and self.ring.yield_if_preempted():
+            self.acquiring = self.ring.acquire_async(self.loop)
+
+    def offload(self) -> None:
+        with self.lock:
+            self.engine.offload(str(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin"))
+
+    def restore(self) -> None:
+        with self.lock:
+            self.engine.restore()
 
     def receive_weights(self) -> None:
         """Thread: wait for each publication, then load it into the engine.

@@ -30,6 +30,7 @@ class TeacherService(ScorerService):
                 "the teacher's logits are not its output projection of the last hidden state (a logit "
                 "scale or soft-cap?): computing full-vocabulary logits per batch instead of streaming"
             )
+        self.model = model
         self.topk = TopK(
             model, k=cfg.top_k, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
             token_chunk=cfg.token_chunk, vocab_chunk=cfg.vocab_chunk, device=self.ctx.device,

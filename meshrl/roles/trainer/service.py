@@ -93,7 +93,7 @@ class TrainerService(Service):
         self.metrics_file = self.ctx.run_dir / "metrics.jsonl"
         resume = ckpt.resume_dir()
         if resume is not None:
-            self.restore(resume)
+            self.resume(resume)
         elif self.rank == 0:
             self.metrics_file.write_text("")  # a fresh run starts a fresh file
 
@@ -111,38 +111,30 @@ class TrainerService(Service):
         every = self.ctx.recipe.checkpoint_every
         # inference starts from exactly the trainer's weights (after a resume: the gate of this version
         # was written before the checkpoint and must not be written twice)
-        self.publish(final=False, gate=self.start_step == 0)
+        with self.device_turn():
+            self.publish(final=False, gate=self.start_step == 0)
         last_gate = time.perf_counter()
         for step in range(self.start_step, total):
-            rows: list[dict[str, torch.Tensor]] = []
-            stats: list[dict[str, float]] = []
-            wait_s = train_s = 0.0
-            for _ in range(cfg.mini_batches):  # streaming: train on each mini-batch as soon as it is ready
-                t0 = time.perf_counter()
-                batch = self.claim_minibatch()
-                t1 = time.perf_counter()
-                summary = summarize(batch, self.version)
-                keep = torch.ones(len(batch), dtype=torch.bool)
-                if cfg.max_staleness is not None:
-                    keep = summary["staleness"] <= cfg.max_staleness
-                summary["dropped"] = ~keep
-                if keep.any():
-                    stats.append(self.train(batch, keep))
-                # rows are deleted once acked (retention); views into them end here: `summary` is a copy
-                self.client.ack(batch, wait=False)
-                rows.append(summary)
-                wait_s += t1 - t0
-                train_s += time.perf_counter() - t1
-            self.version += 1
-            sync_s = self.publish(final=step == total - 1)
+            # sharing devices in a ring, the step's data must all be there before the trainer takes the
+            # devices: its mini-batches come from the generation it would otherwise keep off them
+            t0 = time.perf_counter()
+            ready = [self.claim_minibatch() for _ in range(cfg.mini_batches)] if self.ring is not None else []
+            t1 = time.perf_counter()
+            with self.device_turn():
+                ring_s = time.perf_counter() - t1
+                rows, stats, wait_s, train_s = self.train_step(ready)
+                self.version += 1
+                sync_s = self.publish(final=step == total - 1)
             now = time.perf_counter()
             self.record(
-                step, rows, stats, wait_s=wait_s, train_s=train_s, sync_s=sync_s, step_s=now - last_gate
-            )
+                step, rows, stats, wait_s=wait_s + t1 - t0, train_s=train_s, sync_s=sync_s,
+                step_s=now - last_gate, ring_s=ring_s,
+            )  # fmt: skip
             last_gate = now
             self.ctx.health.info.update(step=step + 1, version=self.version)
             if every and (step + 1) % every == 0 and step + 1 < total:
-                self.checkpoint(step + 1)
+                with self.device_turn():
+                    self.checkpoint(step + 1)
         if self.publishing is not None:
             self.publishing.result()
         if self.weights is not None:
@@ -151,9 +143,37 @@ class TrainerService(Service):
             self.stream.close()  # hands back the mini-batch claimed ahead, if any
         self.client.flush()
         if cfg.save_final:
-            self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
+            with self.device_turn():
+                self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
         while not self.finished():  # rollout ends the run once its last evaluation is in
             time.sleep(0.2)
+
+    def train_step(
+        self, ready: list[Batch]
+    ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]], float, float]:
+        """One optimizer step per mini-batch (claimed here as each is ready, or given in `ready`).
+        Returns the per-row summaries, the update statistics, and the seconds waiting and training."""
+        cfg = self.config
+        rows: list[dict[str, torch.Tensor]] = []
+        stats: list[dict[str, float]] = []
+        wait_s = train_s = 0.0
+        for k in range(cfg.mini_batches):  # streaming: train on each mini-batch as soon as it is ready
+            t0 = time.perf_counter()
+            batch = ready[k] if ready else self.claim_minibatch()
+            t1 = time.perf_counter()
+            summary = summarize(batch, self.version)
+            keep = torch.ones(len(batch), dtype=torch.bool)
+            if cfg.max_staleness is not None:
+                keep = summary["staleness"] <= cfg.max_staleness
+            summary["dropped"] = ~keep
+            if keep.any():
+                stats.append(self.train(batch, keep))
+            # rows are deleted once acked (retention); views into them end here: `summary` is a copy
+            self.client.ack(batch, wait=False)
+            rows.append(summary)
+            wait_s += t1 - t0
+            train_s += time.perf_counter() - t1
+        return rows, stats, wait_s, train_s
 
     def claim_minibatch(self) -> Batch:
         """This rank's share of one mini-batch: whole groups, all columns ready. Waits as long as needed;
@@ -292,7 +312,7 @@ class TrainerService(Service):
             dist.barrier()
         self.log.info("checkpoint %s in %.2fs", final.name, time.perf_counter() - t0)
 
-    def restore(self, path: Path) -> None:
+    def resume(self, path: Path) -> None:
         state = ckpt.load_json(path / "trainer.json")
         self.engine.load_checkpoint(str(path / "trainer"))
         self.start_step, self.version = int(state["step"]), int(state["version"])
@@ -367,11 +387,18 @@ class TrainerService(Service):
             "time/sync_s": times["sync_s"],
             "time/publish_s": self.publish_s,
             "time/wait_s": times["wait_s"],
+            "time/ring_s": times["ring_s"],
             "overhead_fraction": max(0.0, 1.0 - compute / step_s) if step_s > 0 else 0.0,
             "samples_per_s": l_n / step_s if step_s > 0 else 0.0,
         }
         with open(self.metrics_file, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def offload(self) -> None:
+        self.engine.offload(str(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin"))
+
+    def restore(self) -> None:
+        self.engine.restore()
 
     def close(self) -> None:
         if hasattr(self, "publisher"):

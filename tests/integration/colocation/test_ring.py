@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +24,22 @@ def run_ring(plane, tmp_path: Path, modes: list[str], processes: list[list[str]]
     names = [p for group in processes for p in group]
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.colocation.ring_worker", plane.controller,
-             json.dumps(plan), name, str(turns), str(seed * 100 + k), str(log)],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.colocation.ring_worker",
+                plane.controller,
+                json.dumps(plan),
+                name,
+                str(turns),
+                str(seed * 100 + k),
+                str(log),
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for k, name in enumerate(names)
     }
     fallback = {p for m, group in zip(modes, processes, strict=True) if m == FALLBACK for p in group}
@@ -73,13 +85,15 @@ def turns_of(events: list[dict], member_of: dict[str, int]) -> list[tuple[float,
          [["t0", "t1"], ["i0", "i1"], ["c"], ["r"], ["x"]]),
     ],
 )  # fmt: skip
-def test_one_holder_every_request_granted_and_the_fallback_fills_the_gaps(plane, tmp_path, seed, modes, processes):
+def test_one_holder_every_request_granted_and_the_fallback_fills_the_gaps(
+    plane, tmp_path, seed, modes, processes
+):
     turns = 15
     events = run_ring(plane, tmp_path, modes, processes, turns, seed)
     member_of = {p: m for m, group in enumerate(processes) for p in group}
     held = turns_of(events, member_of)
     # never two members at once: merged turns of different members do not overlap
-    overlaps = [(a, b) for a, b in zip(held, held[1:], strict=False) if b[0] < a[1]]
+    overlaps = [(a, b) for a, b in itertools.pairwise(held) if b[0] < a[1]]
     assert not overlaps
     # every ON_DEMAND process got every turn it asked for
     for p, m in member_of.items():
@@ -97,11 +111,13 @@ def test_one_holder_every_request_granted_and_the_fallback_fills_the_gaps(plane,
             ent = [e["t"] for e in events if e["by"] == p and e["ev"] == "enter"]
             asks += list(zip(req, ent, strict=True))
     checked = 0
-    for (_, end, m), nxt in zip(held, held[1:], strict=False):
+    for (_, end, m), nxt in itertools.pairwise(held):
         if m == fb:
             continue
         pending = [a for a in asks if a[0] < end + SLACK and a[1] > end]
         if not pending:
-            assert nxt[2] == fb, f"after {m}'s turn ended at {end} with nobody waiting, {nxt[2]} got the token"
+            assert nxt[2] == fb, (
+                f"after {m}'s turn ended at {end} with nobody waiting, {nxt[2]} got the token"
+            )
             checked += 1
     assert checked > 0
