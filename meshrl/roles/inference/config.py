@@ -51,6 +51,10 @@ class InferenceConfig(ServiceConfig):
     """When new weights arrive mid-batch: "finish" the batch on the old weights (the new ones are
     staged and swapped in after it), or "continue" (stop at the next token, load, continue the same
     completions on the new weights; such samples carry both versions)."""
+    preempt: str = "finish"
+    """In a colocation ring, when an ON_DEMAND member asks for the devices mid-batch: "finish" the batch,
+    then give them up; or "abort" (stop at the next token, drop the partial completions, give the devices
+    up, and generate those rows again from the start once they are back)."""
     trainer: str = "trainer"
     """Group id of the trainer whose weights this replica follows."""
     threads: int = 0
@@ -62,6 +66,7 @@ class InferenceConfig(ServiceConfig):
         require(self.max_batch >= 1, "max_batch", "must be >= 1")
         require(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
         require(self.interrupt in ("finish", "continue"), "interrupt", "must be 'finish' or 'continue'")
+        require(self.preempt in ("finish", "abort"), "preempt", "must be 'finish' or 'abort'")
 
     def reads(self) -> Columns:
         return {SAMPLES: ("prompt",), EVAL: ("prompt",)}

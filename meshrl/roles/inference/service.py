@@ -65,6 +65,7 @@ class InferenceService(Service):
         )
         self.batches = 0
         self.generated = 0
+        self.aborted = 0
         self.lock = threading.Lock()
         self.update_pending = threading.Event()
         self.version_changed = threading.Condition()
@@ -281,7 +282,10 @@ class InferenceService(Service):
         todo = list(range(len(rows)))
         seeds = self.row_seeds(batch, rows)
         seed = seeds[0]
-        interrupt = self.update_pending.is_set if cfg.interrupt == "continue" else None
+        checks = [self.update_pending.is_set] if cfg.interrupt == "continue" else []
+        if self.ring is not None and cfg.preempt == "abort":
+            checks.append(self.ring.preempt.is_set)
+        interrupt = (lambda: any(c() for c in checks)) if checks else None
         t0 = time.perf_counter()
         while todo:
             with self.lock:
@@ -308,6 +312,19 @@ class InferenceService(Service):
                             logprobs[i] += c.logprobs
                             if c.finish_reason != FINISH_INTERRUPTED or len(tokens[i]) >= cfg.max_new_tokens:
                                 todo.remove(i)
+            if todo and self.ring is not None and self.ring.preempt.is_set() and cfg.preempt == "abort":
+                # preempted: the partial completions go, the devices go to the member that asked, and
+                # the rows start again once they are back
+                for i in todo:
+                    tokens[i], logprobs[i], first[i], last[i] = [], [], -1, -1
+                self.aborted += len(todo)
+                self.ctx.health.info["aborted"] = self.aborted
+                self.log.info(
+                    "preempted mid-batch: %d rows dropped, regenerated once the devices are back", len(todo)
+                )
+                self.ring.yield_if_preempted()
+                self.ring.acquire()
+                continue
             if todo:  # interrupted: wait until the new weights are in, then continue
                 with self.version_changed:
                     self.version_changed.wait_for(functools.partial(self.newer_than, version), timeout=600)
