@@ -61,13 +61,15 @@ class RingPlan:
     members: tuple[str, ...]  # group ids in ring order
     modes: tuple[Scheduling, ...]
     processes: tuple[tuple[str, ...], ...]  # per member, its process names
+    hybrid: bool = False  # members share one process per device: turns without offload
 
     @classmethod
     def of(cls, ring: ColocationRing, topology: Topology) -> RingPlan:
         procs = tuple(
             tuple(p.name for r in topology.replicas_of(m.group) for p in r.processes) for m in ring.members
         )
-        return cls(ring.id, tuple(m.group for m in ring.members), tuple(m.mode for m in ring.members), procs)
+        groups, modes = tuple(m.group for m in ring.members), tuple(m.mode for m in ring.members)
+        return cls(ring.id, groups, modes, procs, ring.hybrid)
 
     @property
     def arbiter(self) -> str:
@@ -138,8 +140,10 @@ class Arbiter:
 
     def _released(self, row: int, by: str) -> None:
         turn = self.turn
-        if turn is None or row not in turn.rows:
-            raise RuntimeError(f"ring {self.plan.id}: {by} released row {row}, which holds no grant")
+        if turn is None or row not in turn.rows:  # a request given up before its grant (a member left)
+            for queue in self.pending:
+                queue[:] = [q for q in queue if q[0] != row]
+            return
         del turn.rows[row]
         turn.left.add(by)
         if not turn.rows:
@@ -358,10 +362,17 @@ class RingMember:
         return False
 
     def close(self) -> None:
+        """Leave the ring: give the token back if held, withdraw a request still waiting."""
         self.stop.set()
         if self.row is not None:
             with contextlib.suppress(Exception):
                 self.release()
+        with self.cond:
+            waiting = list(self.granted)
+        for rid in waiting:
+            event = torch.tensor([[RELEASE, self.member, self.index, rid]])
+            with contextlib.suppress(Exception):
+                self.client.put(self.part, {"event": event}, meta=[{"by": self.process}])
         for t in self.watchers:
             t.join(timeout=5)
         if self.arbiter is not None:

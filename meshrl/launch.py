@@ -32,7 +32,7 @@ from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.service import CONTROL, FAILED
 from meshrl.supervise import Child, wait_ready
-from meshrl.topology import HEALTH, Device, Topology, plan
+from meshrl.topology import HEALTH, Device, Topology, cohosts, plan
 
 log = logging.getLogger("meshrl.launch")
 
@@ -101,7 +101,7 @@ class Launcher:
         controller = self._start_dataplane(recipe, topology, address, secret)
         env = self._service_env(recipe, devices, controller, secret)
         env["MESHRL_ADDRESSES"] = json.dumps(address)
-        self._start_services(topology, env)
+        self._start_services(recipe, topology, env)
         failed = wait_ready(self.children, timeout=900)
         if failed is not None:
             return self._fail(failed, controller, secret)
@@ -213,11 +213,15 @@ class Launcher:
             env["MESHRL_SECRET"] = secret
         return env
 
-    def _start_services(self, topology: Topology, env: dict[str, str]) -> None:
+    def _start_services(self, recipe: Recipe, topology: Topology, env: dict[str, str]) -> None:
+        hosts = cohosts(recipe, topology)
         for p in topology.processes_on(self.rank):
+            if p.name not in hosts:
+                continue  # runs inside another process (a hybrid ring)
+            args = [str(x) for q in hosts[p.name] for x in (q.group, q.replica, q.worker)]
             child = Child(
                 p.name,
-                [sys.executable, "-m", "meshrl.worker", p.group, str(p.replica), str(p.worker)],
+                [sys.executable, "-m", "meshrl.worker", *args],
                 self.logs / f"{p.name}.log",
                 env,
                 health_port=p.ports[HEALTH],

@@ -85,6 +85,10 @@ class ColocationRing:
 
     id: str
     members: tuple[RingMember, ...]
+    hybrid: bool = False
+    """Co-process mode: on each device the members' processes are one OS process (a thread per service),
+    so they share memory: inference generates with the trainer's live weights (a weight sync is a
+    version bump) and turns need no offload. Members use one device per replica."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -164,6 +164,8 @@ class Service:
         return self.ring.turn() if self.ring is not None else contextlib.nullcontext()
 
     def _offload(self) -> None:
+        if self.ring is None or self.ring.plan.hybrid:  # one process: nothing to hand over
+            return
         rss = _rss_mb()
         t0 = time.perf_counter()
         self.offload()
@@ -173,6 +175,8 @@ class Service:
         info["rss_drop_mb"] = round(rss - _rss_mb(), 1)
 
     def _restore(self) -> None:
+        if self.ring is None or self.ring.plan.hybrid:
+            return
         t0 = time.perf_counter()
         self.restore()
         self.ctx.health.info["restore_s"] = round(time.perf_counter() - t0, 4)

@@ -128,6 +128,26 @@ class Topology:
         return len({d.host for d in self.devices}) == 1
 
 
+def cohosts(recipe: Recipe, topology: Topology) -> dict[str, tuple[Process, ...]]:
+    """Every process that runs as its own OS process -> the service processes it hosts (itself first).
+    Members of a hybrid ring on the same device are hosted by the first member's process."""
+    hosted: dict[str, list[Process]] = {}
+    host_of: dict[tuple[str, int], str] = {}  # (ring, device rank) -> hosting process
+    ring_of = {m.group: r for r in recipe.rings if r.hybrid for m in r.members}
+    for r in topology.replicas:
+        for p in r.processes:
+            ring = ring_of.get(p.group)
+            if ring is None:
+                hosted[p.name] = [p]
+                continue
+            key = (ring.id, p.rank)
+            if key not in host_of:
+                host_of[key] = p.name
+                hosted[p.name] = []
+            hosted[host_of[key]].append(p)
+    return {name: tuple(ps) for name, ps in hosted.items()}
+
+
 def devices_needed(recipe: Recipe) -> int:
     """Devices the recipe occupies: ring members share their devices."""
     shared: set[str] = set()
@@ -181,6 +201,11 @@ def plan(recipe: Recipe, devices: list[Device] | tuple[Device, ...]) -> Topology
                 if groups[m.group].devices_per_replica == 0:
                     problems.append(
                         f"{where}.members: {m.group!r} uses no devices; only device roles take turns"
+                    )
+                elif ring.hybrid and groups[m.group].devices_per_replica != 1:
+                    problems.append(
+                        f"{where}.hybrid: {m.group!r} has {groups[m.group].devices_per_replica} devices per "
+                        "replica; co-process members use one (a sharded trainer cannot lend its weights yet)"
                     )
 
     need = devices_needed(recipe)

@@ -1,8 +1,9 @@
-"""Entry point of one service process: `python -m meshrl.worker GROUP REPLICA WORKER`.
+"""Entry point of one service process: `python -m meshrl.worker GROUP REPLICA WORKER [...]`.
 
 Its launcher passes the recipe, overrides and gathered device list in the environment; the process
 rebuilds the same plan, finds itself in it, and runs its service. Stdout/stderr go to the process's
-log file (set up by the launcher), so a crash leaves its full traceback there.
+log file (set up by the launcher), so a crash leaves its full traceback there. Several triples: the
+members of a hybrid colocation ring on one device, run as threads of this one process.
 """
 
 from __future__ import annotations
@@ -12,15 +13,21 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from meshrl.recipe import load_recipe, service_class
 from meshrl.topology import Device, plan
 
 
 def main() -> None:
-    group, replica_index, worker = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    args = sys.argv[1:]
+    if not args or len(args) % 3:
+        raise SystemExit("usage: python -m meshrl.worker GROUP REPLICA WORKER [GROUP REPLICA WORKER ...]")
+    triples = [(args[i], int(args[i + 1]), int(args[i + 2])) for i in range(0, len(args), 3)]
+    group, replica_index, worker = triples[0]
     logging.basicConfig(
         level=os.environ.get("MESHRL_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {group}-{replica_index}.{worker} %(levelname)s %(name)s: %(message)s",
@@ -29,46 +36,84 @@ def main() -> None:
     recipe = load_recipe(os.environ["MESHRL_RECIPE"], json.loads(os.environ.get("MESHRL_OVERRIDES", "[]")))
     devices = [Device(*d) for d in json.loads(os.environ["MESHRL_DEVICES"])]
     topology = plan(recipe, devices)
-    replica = topology.replica(group, replica_index)
-    process = replica.processes[worker]
 
     # heavy imports (torch, transformers) only from here on
+    from meshrl import hybrid
+    from meshrl.roles.trainer.config import TrainerConfig
     from meshrl.service import Health, ServiceContext
 
-    health = Health(process.name)
-    server = health.serve(process.ports[0])
-    ctx = ServiceContext(
-        recipe=recipe,
-        topology=topology,
-        replica=replica,
-        process=process,
-        run_dir=Path(os.environ["MESHRL_RUN_DIR"]),
-        controller=os.environ["MESHRL_CONTROLLER"],
-        secret=os.environ.get("MESHRL_SECRET") or None,
-        health=health,
-    )
+    services, servers = [], []
+    for g, r, w in triples:  # more than one: a hybrid ring's members on this device, one thread each
+        replica = topology.replica(g, r)
+        process = replica.processes[w]
+        health = Health(process.name)
+        servers.append(health.serve(process.ports[0]))
+        ctx = ServiceContext(
+            recipe=recipe,
+            topology=topology,
+            replica=replica,
+            process=process,
+            run_dir=Path(os.environ["MESHRL_RUN_DIR"]),
+            controller=os.environ["MESHRL_CONTROLLER"],
+            secret=os.environ.get("MESHRL_SECRET") or None,
+            health=health,
+        )
+        services.append(service_class(ctx.config)(ctx))
+    hybrid.register(services)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    service = service_class(ctx.config)(ctx)
     t0 = time.monotonic()
     try:
-        service.setup()
-        service.join_ring()
+        # a trainer first: co-hosted inference generates with the trainer's model
+        for service in sorted(services, key=lambda s: not isinstance(s.ctx.config, TrainerConfig)):
+            service.setup()
+            service.join_ring()
         logging.getLogger("meshrl.worker").info("ready after %.1fs", time.monotonic() - t0)
-        health.state = "running"
-        service.run()
-        health.state = "finished"
+        for service in services:
+            service.ctx.health.state = "running"
+        if len(services) == 1:
+            services[0].run()
+        else:
+            run_threads(services)
+        for service in services:
+            service.ctx.health.state = "finished"
     except BaseException:
-        health.state = "failed"
+        for service in services:
+            if service.ctx.health.state != "finished":
+                service.ctx.health.state = "failed"
         raise
     finally:
-        service.close()
-        server.shutdown()
+        for service in services:
+            service.close()
+        for server in servers:
+            server.shutdown()
     # Done. Leave without tearing the interpreter down: threads blocked in a collective of a peer that
     # already left (a weight receiver, say) would abort the process during finalisation.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_threads(services: list[Any]) -> None:
+    """Run co-hosted services, one thread each, until all return; the first failure fails the process."""
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def body(service: Any) -> None:
+        try:
+            service.run()
+        except BaseException as e:
+            logging.getLogger("meshrl.worker").exception("%s failed", service.ctx.name)
+            errors.append(e)
+            done.set()
+
+    threads = [threading.Thread(target=body, args=(s,), name=s.ctx.name, daemon=True) for s in services]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads) and not done.wait(0.2):
+        pass
+    if errors:
+        raise errors[0]
 
 
 if __name__ == "__main__":

@@ -127,23 +127,15 @@ class HFEngine(InferenceEngine):
         device: str = "cpu",
         loader_kwargs: dict[str, Any] | None = None,
         max_batch_size: int = 256,
+        model: Any = None,
     ) -> None:
+        """`model`: generate with this already loaded model instead of loading `model_path` (the
+        trainer's own, in a hybrid colocation ring: used as it is, in eval mode, gradients untouched)."""
         super().__init__()
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        path = Path(model_path)
-        if not path.exists():
-            raise FileNotFoundError(f"model path {model_path!r} does not exist")
-        if not path.is_dir():
-            raise ValueError(f"model path {model_path!r} is not a directory (expected a save_pretrained one)")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"cannot load a causal LM from {model_path!r}: {e}") from e
         self.device = torch.device(device)
-        # mypy misreads the signature of PreTrainedModel.to (transformers wraps nn.Module.to).
-        model.to(self.device)  # type: ignore[arg-type]
-        self.model = model.eval().requires_grad_(False)
+        self.model = model.eval() if model is not None else self._load(model_path, loader_kwargs)
         self.max_batch_size = max_batch_size
         self.vocab_size: int = self.model.get_input_embeddings().weight.shape[0]
         pad = getattr(self.model.config, "pad_token_id", None)
@@ -155,6 +147,20 @@ class HFEngine(InferenceEngine):
         self._listing = [
             (name, tuple(p.shape), _dtype_name(p.dtype)) for name, p in self.model.named_parameters()
         ]
+
+    def _load(self, model_path: str, loader_kwargs: dict[str, Any] | None) -> Any:
+        path = Path(model_path)
+        if not path.exists():
+            raise FileNotFoundError(f"model path {model_path!r} does not exist")
+        if not path.is_dir():
+            raise ValueError(f"model path {model_path!r} is not a directory (expected a save_pretrained one)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"cannot load a causal LM from {model_path!r}: {e}") from e
+        # mypy misreads the signature of PreTrainedModel.to (transformers wraps nn.Module.to).
+        model.to(self.device)  # type: ignore[arg-type]
+        return model.eval().requires_grad_(False)
 
     def _find_eos(self) -> list[int]:
         found: list[int] = []

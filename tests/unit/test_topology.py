@@ -252,3 +252,32 @@ def test_a_missing_scoring_service_fails_at_start_up_saying_which_to_add(
         r = dataclasses.replace(r, groups=tuple(g for g in r.groups if g.id != drop))
     with pytest.raises(RecipeError, match=re.escape(message)):
         plan(r, [Device(i, "localhost", i) for i in range(max(1, devices_needed(r)))])
+
+
+def test_hybrid_ring_members_share_one_process_per_device():
+    from meshrl.topology import cohosts
+
+    groups = (
+        ServiceGroup(id="rollout", config=Writer()),
+        ServiceGroup(id="inference", config=Writer(columns=("response",)), replicas=2, devices_per_replica=1),
+        ServiceGroup(id="ref", config=Writer(columns=("ref",)), replicas=2, devices_per_replica=1),
+        ServiceGroup(
+            id="trainer", config=Reader(columns=("tokens", "response", "ref")), devices_per_replica=2
+        ),
+    )
+    ring = ColocationRing(
+        id="h",
+        members=(RingMember(group="inference", mode=Scheduling.FALLBACK), RingMember(group="ref")),
+        hybrid=True,
+    )
+    r = Recipe(name="t", groups=groups, rings=(ring,))
+    topo = plan(r, cluster(1, 4))
+    hosts = cohosts(r, topo)
+    assert [p.name for p in hosts["inference-0-0"]] == ["inference-0-0", "ref-0-0"]
+    assert [p.name for p in hosts["inference-1-1"]] == ["inference-1-1", "ref-1-1"]
+    assert "ref-0-0" not in hosts and [p.name for p in hosts["rollout-0-0"]] == ["rollout-0-0"]
+    # a member with several devices per replica cannot lend its weights within one process
+    wide = Recipe(name="t", groups=groups, rings=(dataclasses.replace(ring, members=(
+        RingMember(group="trainer"), RingMember(group="ref"))),))  # fmt: skip
+    msg = problems(wide, cluster(1, 4))
+    assert "rings['h'].hybrid: 'trainer' has 2 devices per replica" in msg

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from meshrl import hybrid
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles import EVAL, SAMPLES
@@ -50,19 +51,9 @@ class InferenceService(Service):
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # the trainer in this very process (a hybrid ring) lends its model: its weights are live here
+        self.trainer = hybrid.peer(cfg.trainer)
         self.engine = self.build_engine()
-        trainer_cfg = self.ctx.recipe.group(cfg.trainer).config
-        assert isinstance(trainer_cfg, TrainerConfig)
-        members = [r for r in self.ctx.topology.replicas if r.group in trainer_cfg.inference]
-        trainer = self.ctx.topology.replicas_of(cfg.trainer)[0]
-        host, port = trainer.weights_endpoint
-        self.weights = WeightGroup(
-            self.ctx.address(host),
-            port,
-            1 + members.index(self.ctx.replica),
-            1 + len(members),
-            device=str(self.ctx.device),
-        )
         self.batches = 0
         self.generated = 0
         self.aborted = 0
@@ -73,7 +64,19 @@ class InferenceService(Service):
         self.waiting: list[Waiting] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.new_version: asyncio.Event | None = None
-        threading.Thread(target=self.receive_weights, name="weights", daemon=True).start()
+        if self.trainer is None:
+            trainer_cfg = self.ctx.recipe.group(cfg.trainer).config
+            assert isinstance(trainer_cfg, TrainerConfig)
+            members = [r for r in self.ctx.topology.replicas if r.group in trainer_cfg.inference]
+            host, port = self.ctx.topology.replicas_of(cfg.trainer)[0].weights_endpoint
+            self.weights = WeightGroup(
+                self.ctx.address(host),
+                port,
+                1 + members.index(self.ctx.replica),
+                1 + len(members),
+                device=str(self.ctx.device),
+            )
+            threading.Thread(target=self.receive_weights, name="weights", daemon=True).start()
 
     @property
     def config(self) -> InferenceConfig:
@@ -94,6 +97,7 @@ class InferenceService(Service):
             device=str(self.ctx.device),
             loader_kwargs=cfg.loader_kwargs,
             max_batch_size=cfg.max_batch,
+            model=None if self.trainer is None else self.trainer.engine.model,
         )
 
     def run(self) -> None:
@@ -109,7 +113,8 @@ class InferenceService(Service):
             loop = self.loop
 
             def on_preempt() -> None:
-                loop.call_soon_threadsafe(preempted.set)
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(preempted.set)
 
             self.ring.on_preempt = on_preempt
             self.acquiring = self.ring.acquire_async(loop)
@@ -180,6 +185,17 @@ class InferenceService(Service):
             if now - work.renewed > LEASE_S / 3:
                 await client.renew(work.batch, LEASE_S)
                 work.renewed = now
+
+    def local_publish(self, version: int) -> None:
+        """Called by the trainer of this process (hybrid ring): its model, which this engine generates
+        with, now holds `version`."""
+        with self.lock:
+            self.engine.set_version(version)
+        with self.version_changed:
+            self.version_changed.notify_all()
+        self.ctx.health.info["version"] = version
+        if self.loop is not None and self.new_version is not None:
+            self.loop.call_soon_threadsafe(self.new_version.set)
 
     async def hold_devices(self) -> None:
         """In a colocation ring: wait until this replica holds the ring's devices."""

@@ -205,6 +205,14 @@ class TrainerConfig(ServiceConfig):
                     f"temperature: {self.temperature} differs from {gid}.temperature {g.config.temperature}; "
                     "logprobs would not match the sampling distribution"
                 )
+        for ring in recipe.rings:
+            members = {m.group for m in ring.members}
+            missing = [gid for gid in self.inference if gid not in members]
+            if ring.hybrid and group.id in members and missing:
+                problems.append(
+                    f"inference: {missing} must be in hybrid ring {ring.id!r} with the trainer (it publishes by "
+                    "lending its model to the inference in its own process)"
+                )
         for g in recipe.groups:
             if isinstance(g.config, RolloutConfig) and (g.config.prompts_per_step, g.config.group_size) != (
                 self.prompts_per_step,

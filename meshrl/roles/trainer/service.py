@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl import checkpoint as ckpt
+from meshrl import hybrid
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
@@ -81,6 +82,10 @@ class TrainerService(Service):
         self.publish_s = 0.0
         if self.rank == 0:
             self.gate_client = self.ctx.client(f"{self.ctx.name}-gate")
+        # inference in this very process (a hybrid ring) generates with self.engine's model: publishing
+        # to it is setting its version; to any other, a broadcast
+        self.local = [s for s in (hybrid.peer(g) for g in cfg.inference) if s is not None]
+        if self.rank == 0 and not self.local:
             members = [r for r in self.ctx.topology.replicas if r.group in cfg.inference]
             whost, wport = replica.weights_endpoint
             self.weights = WeightGroup(
@@ -125,6 +130,8 @@ class TrainerService(Service):
                 rows, stats, wait_s, train_s = self.train_step(ready)
                 self.version += 1
                 sync_s = self.publish(final=step == total - 1)
+                if step == total - 1 and cfg.save_final:  # still holding the devices, if in a ring
+                    self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
             now = time.perf_counter()
             self.record(
                 step, rows, stats, wait_s=wait_s + t1 - t0, train_s=train_s, sync_s=sync_s,
@@ -142,9 +149,6 @@ class TrainerService(Service):
         if self.stream is not None:
             self.stream.close()  # hands back the mini-batch claimed ahead, if any
         self.client.flush()
-        if cfg.save_final:
-            with self.device_turn():
-                self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
         while not self.finished():  # rollout ends the run once its last evaluation is in
             time.sleep(0.2)
 
@@ -241,6 +245,13 @@ class TrainerService(Service):
         t0 = time.perf_counter()
         if self.config.off_policy == "decoupled":
             self.engine.snapshot()
+        if self.local:
+            for service in self.local:
+                service.local_publish(self.version)
+            if gate:
+                meta: list[Any] = [{"final": final, "step": self.version}]
+                self.gate_client.put(GATE, {"version": torch.tensor([self.version])}, meta=meta)
+            return time.perf_counter() - t0
         weights = self.engine.get_weights(self.config.bucket_mb << 20)
         if self.rank != 0:
             for _ in weights:  # take part in the gather
