@@ -18,7 +18,7 @@ run: $(STAMP)
 
 # The whole suite: lint, format check, type check, then every test that runs on this machine.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "slow or not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check meshrl tests benchmarks recipes

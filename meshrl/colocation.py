@@ -2,7 +2,7 @@
 
 A ring (`recipe.rings`) lists member groups, each ON_DEMAND (asks for the devices when it has work) or
 FALLBACK (holds them whenever nobody else asks; at most one per ring, typically inference). Its state is
-one partition, `ring.<id>`, where requests are rows and grants are columns:
+one partition, `ring.<id>.<launch>`, where requests are rows and grants are columns:
 
     event    [kind, member, process, row]   a new row: REQUEST (a process wants the devices) or
                                             RELEASE (of the turn granted on request `row`)
@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,8 @@ WATCH_S = 30.0
 
 
 def ring_partition(ring_id: str) -> str:
-    return f"ring.{ring_id}"
+    """The ring's partition in this launch (a resumed run restores the data plane, not the rings)."""
+    return f"ring.{ring_id}.{os.environ.get('MESHRL_LAUNCH', '0')}"
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,9 @@ class Launcher:
         controller = self._start_dataplane(recipe, topology, address, secret)
         env = self._service_env(recipe, devices, controller, secret)
         env["MESHRL_ADDRESSES"] = json.dumps(address)
+        # this launch's id (rank 0's): state that must not outlive a launch (colocation rings) is named
+        # by it, so a resumed run never reads the rings of the processes it replaces
+        env["MESHRL_LAUNCH"] = str(self.gather_json(os.urandom(4).hex() if self.rank == 0 else "")[0])
         self._start_services(recipe, topology, env)
         failed = wait_ready(self.children, timeout=900)
         if failed is not None:

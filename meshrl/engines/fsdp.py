@@ -350,7 +350,7 @@ class FSDPEngine:
             "loss": reduced["pg_loss"]
             - cfg.entropy_coef * reduced["entropy"]
             + cfg.kl_coef * reduced["kl_ref"]
-            + cfg.distill_coef * reduced.get("distill_loss", 0.0),
+            + (cfg.distill_coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0),
             "ratio_max": self._max([ratio_max]),
             **step,
             "time/forward_backward_s": t1 - t0,
