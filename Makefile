@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint fmt bench clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: run test test-vllm lint fmt bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +23,19 @@ run: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "slow or not slow"
 
+# The vLLM engine's tests, in an environment of their own (the default one stays lean): vLLM's CPU
+# build is ~3.5 GB and brings CUDA builds of torchvision/torchaudio/torchcodec that break its import.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev,vllm]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check meshrl tests benchmarks recipes
 	$(VENV)/bin/ruff format --check meshrl tests benchmarks recipes
@@ -30,4 +46,4 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff format meshrl tests benchmarks recipes
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -4,6 +4,8 @@
     python benchmarks/e2e_cpu.py --steps 100 --prompts 64 --json
     python benchmarks/e2e_cpu.py --recipe ppo_arith --json  # + critic and reference services
     python benchmarks/e2e_cpu.py --recipe opd_arith --json  # + a teacher (on-policy distillation)
+    python benchmarks/e2e_cpu.py --engine vllm --json      # vLLM generating (needs the vllm extra), and
+                                                           # the HF engine on the same recipe as baseline
 
 Builds the tiny model and its supervised warm start (as `make run` does; for a recipe with a teacher,
 also the teacher: a longer supervised run of `--teacher-sft-steps`), runs the recipe as separate
@@ -103,6 +105,8 @@ def run(
 ) -> dict[str, object]:
     overrides = [f"*.model={model}", f"run_dir={run_dir}", f"total_steps={args.steps}"]
     overrides += [f"{gid}.model={teacher}" for gid in teacher_groups(args.recipe)] if teacher else []
+    if args.engine != "hf":
+        overrides.append(f"inference.engine={args.engine}")
     if args.window != "1":
         overrides.append(f"rollout.window={args.window}")
     if args.prompts:
@@ -145,6 +149,7 @@ def run(
         "wall_s": round(wall, 1),
         "recipe": args.recipe,
         "window": args.window,
+        "engine": args.engine,
         "prompts_per_step": args.prompts or "recipe default",
     }
 
@@ -184,6 +189,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state")
     ap.add_argument("--window", default="1", help="rollout pacing window: 1, k, or None")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per step (0: the recipe's)")
+    ap.add_argument(
+        "--engine", default="hf", help="inference engine: hf or vllm (then hf runs too, as baseline)"
+    )
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--teacher-sft-steps", type=int, default=200, help="for recipes with a teacher")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
@@ -196,6 +204,13 @@ def main() -> None:
         )
         os.makedirs(root / "work", exist_ok=True)
         result = run(args, model, root / "work" / "run", teacher)
+        if args.engine != "hf":  # the HF engine on the same recipe and models, in this same invocation
+            base = run(
+                argparse.Namespace(**{**vars(args), "engine": "hf"}), model, root / "work" / "hf", teacher
+            )
+            result["baseline_hf"] = {k: base[k] for k in ("samples_per_s", "median_step_s", "startup_s",
+                                                          "reward_first10", "reward_last10", "peak_rss_mb")}  # fmt: skip
+            result["ratio_vs_hf"] = round(float(result["samples_per_s"]) / float(base["samples_per_s"]), 3)  # type: ignore[arg-type]
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

@@ -9,9 +9,9 @@ one partition, `ring.<id>.<launch>`, where requests are rows and grants are colu
     grant    [turn]    written on a request row when the token is its member's
     preempt  [turn]    written on a FALLBACK holder's request rows when an ON_DEMAND member asks
 
-One process of the ring (the first process of its first member) runs the arbiter: a thread that reads
-the events in the order the data plane received them, writes grants and preemptions, and deletes a
-turn's rows once it is released.
+One process of the ring (the first process of its first member; it lives as long as the run) runs the
+arbiter: a thread that reads the events in the order the data plane received them, writes grants and
+preemptions, and deletes a turn's rows once it is released.
 The token belongs to a member group, not a process: every process of the holder that asks while the
 member holds it joins the turn, and the token moves on once all of them have released. The rule:
 

@@ -212,11 +212,21 @@ def test_overrides_reach_nested_fields_and_reject_unknown_keys():
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.py")), ids=lambda p: p.name)
 def test_every_shipped_recipe_loads_and_plans(path, tiny_model):
+    from meshrl.engines import vllm
+
     r = load_recipe(path)
     if any(hasattr(g.config, "model") for g in r.groups):  # point model paths at a real local model
         r = r.with_overrides([f"*.model={tiny_model}"])
     n = max(1, devices_needed(r))
-    topo = plan(r, [Device(i, "localhost", i) for i in range(n)])
+    devices = [Device(i, "localhost", i) for i in range(n)]
+    if any(getattr(g.config, "engine", None) == "vllm" for g in r.groups) and not vllm.available():
+        # without the extra, the recipe fails at start-up and says how to install it
+        with pytest.raises(
+            RecipeError, match=r"needs vLLM, which is not installed: pip install 'meshrl\[vllm\]'"
+        ):
+            plan(r, devices)
+        return
+    topo = plan(r, devices)
     assert topo.replicas
 
 

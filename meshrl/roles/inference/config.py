@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from meshrl.recipe import Recipe, ServiceGroup
 
 GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
-ENGINES = ("hf", "sim")
+ENGINES = ("hf", "vllm", "sim")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,16 @@ class SimGeneration:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VLLMSettings:
+    """Settings of the vLLM engine (engine="vllm")."""
+
+    kv_cache_gb: float = 1.0
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU vLLM sizes it from free memory."""
+    max_model_len: int | None = None
+    """Longest prompt + completion (None: the model's own limit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class InferenceConfig(ServiceConfig):
     service = "meshrl.roles.inference.service:InferenceService"
 
@@ -37,9 +47,12 @@ class InferenceConfig(ServiceConfig):
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to from_pretrained (dtype, trust_remote_code, gguf_file, ...)."""
     engine: str = "hf"
-    """Generation engine: "hf" (transformers; CPU, tests, small models) or "sim" (sleeps; benchmarks)."""
+    """Generation engine: "hf" (transformers; CPU, tests, small models), "vllm" (needs the vllm extra)
+    or "sim" (sleeps; benchmarks)."""
     sim: SimGeneration = SimGeneration()
     """Settings of the simulated engine."""
+    vllm: VLLMSettings = VLLMSettings()
+    """Settings of the vLLM engine."""
     temperature: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
@@ -80,6 +93,16 @@ class InferenceConfig(ServiceConfig):
             problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
         if not Path(self.model).exists():
             problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
+        if self.engine == "vllm":
+            from meshrl.engines import vllm
+
+            if not vllm.available():
+                problems.append(f"engine: 'vllm' needs vLLM, which is not installed: {vllm.INSTALL}")
+            if (self.top_k or self.top_p < 1) and self.temperature > 0:
+                problems.append(
+                    "engine: with top_k / top_p, vLLM's logprobs are renormalised over the kept tokens and "
+                    "would not match the trainer's; use the hf engine or turn truncation off"
+                )
         if self.trainer not in {g.id for g in recipe.groups}:
             problems.append(f"trainer: no group {self.trainer!r} in the recipe")
         return problems

@@ -90,6 +90,20 @@ class InferenceService(Service):
             from meshrl.engines.sim import SimInferenceEngine
 
             return SimInferenceEngine(cfg.sim, seed=self.ctx.recipe.seed * 7919 + self.ctx.replica.index)
+        if cfg.engine == "vllm":
+            from meshrl.engines.vllm import VLLMEngine
+
+            return VLLMEngine(
+                cfg.model,
+                device=str(self.ctx.device),
+                loader_kwargs=cfg.loader_kwargs,
+                max_batch_size=cfg.max_batch,
+                max_model_len=cfg.vllm.max_model_len,
+                kv_cache_gb=cfg.vllm.kv_cache_gb,
+                threads=cfg.threads,
+                work_dir=str(self.ctx.run_dir / "vllm" / self.ctx.name),
+                seed=self.ctx.recipe.seed,
+            )
         from meshrl.engines.hf import HFEngine
 
         return HFEngine(

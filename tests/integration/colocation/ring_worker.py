@@ -5,7 +5,8 @@
 Each line of LOG is JSON: {"t": monotonic seconds, "ev": "request" | "enter" | "exit", "by": PROCESS}.
 "enter" is logged by restore() (after the grant), "exit" by offload() (before the release). An ON_DEMAND
 process takes TURNS turns with random gaps and lengths; a FALLBACK process wants the token all the time
-(in small slices, giving it back when preempted) until the file LOG.stop exists.
+(in small slices, giving it back when preempted) until the file LOG.stop exists. The process that
+runs the ring's arbiter stays until then too, as a service does until the end of its run.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> None:
                 note("request")
                 with member.turn():
                     time.sleep(rng.uniform(0, 0.02))
+            while member.arbiter is not None and not os.path.exists(log_path + ".stop"):
+                time.sleep(0.05)  # the arbiter's process stays while the others take their turns
         note("done")
     finally:
         member.close()

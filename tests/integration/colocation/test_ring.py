@@ -42,7 +42,9 @@ def run_ring(plane, tmp_path: Path, modes: list[str], processes: list[list[str]]
         )
         for k, name in enumerate(names)
     }
+    # the fallback's processes and the arbiter's (the first process) run until told to stop
     fallback = {p for m, group in zip(modes, processes, strict=True) if m == FALLBACK for p in group}
+    fallback.add(names[0])
     try:
         for name, p in procs.items():
             if name not in fallback:

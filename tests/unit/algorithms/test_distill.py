@@ -108,3 +108,33 @@ def test_reverse_kl_advantage_is_teacher_minus_student_on_response_tokens():
     torch.testing.assert_close(
         reverse_kl_advantages(teacher, student, mask), torch.tensor([[0.4, -1.0, 0.0]])
     )
+
+
+def test_trainer_mixes_task_and_per_teacher_reverse_kl_advantages(tmp_path):
+    from meshrl.roles.trainer.config import TrainerConfig
+    from meshrl.roles.trainer.service import distilled_advantages
+
+    prompts = Ragged.from_list([torch.tensor([5, 6]), torch.tensor([7])])
+    responses = Ragged.from_list([torch.tensor([8, 9]), torch.tensor([10, 11, 12])])
+    behaviour = Ragged.from_list([torch.tensor([-1.0, -2.0]), torch.tensor([-0.5, -0.5, -0.5])])
+
+    def teacher(values: list[list[float]]) -> tuple[Ragged, Ragged, Ragged]:
+        lp = Ragged.from_list([torch.tensor(v) for v in values])
+        ids = Ragged.from_list([torch.zeros(len(v), 2, dtype=torch.int32) for v in values])
+        return ids, Ragged.from_list([torch.zeros(len(v), 2) for v in values]), lp
+
+    batch = pack(prompts, responses, behaviour, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
+                 teachers={"a": teacher([[-1.0, -1.0], [0.0, 0.0, 0.0]]), "b": teacher([[0.0, 0.0], [-1.5, -0.5, 0.5]])})  # fmt: skip
+    cfg = TrainerConfig(
+        model=str(tmp_path), teachers={"a": 1.0, "b": 0.5}, distill_advantage=2.0, pg_coef=0.5
+    )
+    adv = distilled_advantages(batch, cfg)
+    m = batch.mask
+    # row 0: 0.5 * 1 + 2 * (1 * (t_a - b) + 0.5 * (t_b - b)), tokens b = -1, -2
+    want0 = torch.tensor([0.5 + 2 * (0.0 + 0.5 * 1.0), 0.5 + 2 * (1.0 + 0.5 * 2.0)])
+    want1 = torch.tensor(
+        [-0.5 + 2 * (0.5 + 0.5 * -1.0), -0.5 + 2 * (0.5 + 0.5 * 0.0), -0.5 + 2 * (0.5 + 0.5 * 1.0)]
+    )
+    torch.testing.assert_close(adv[0][m[0]], want0)
+    torch.testing.assert_close(adv[1][m[1]], want1)
+    assert (adv[~m] == 0).all()

@@ -1,0 +1,262 @@
+"""The vLLM inference engine, behind the same interface as the HF one (`meshrl.engines.base`).
+
+Token ids in and out (the engine starts without a tokenizer; completions are never re-tokenised),
+per-request seeds, sampled-token logprobs, stop on EOS. Generation drives vLLM's engine step by step,
+so `interrupt` can stop every unfinished request between steps (aborted in vLLM, returned with what
+they have). Needs the `vllm` extra: `pip install 'meshrl[vllm]'`.
+
+Log-probabilities follow the module convention of `meshrl.engines.base` (log_softmax(logits /
+temperature)): vLLM is started with `logprobs_mode="processed_logprobs"`, which is that convention as
+long as no top-k / top-p truncation is applied (vLLM would renormalise over the kept tokens; the
+inference config refuses the combination).
+
+Weight updates: the received tensors are buffered, then, once every part of a version is in
+(`set_version`), written as one safetensors file and reloaded in place by the workers
+(`reload_weights(weights_path=...)`), followed by `reset_prefix_cache()` (cached prefixes hold KV of
+the old weights). That path works on the CPU build; on GPU the same call works, and a broadcast
+straight into the workers (NCCL, as vLLM documents for RL) is the faster path still to be wired in and
+verified on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshrl.engines.base import (
+    FINISH_INTERRUPTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Completion,
+    InferenceEngine,
+    SamplingParams,
+)
+
+INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
+
+
+def available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine(InferenceEngine):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        loader_kwargs: dict[str, Any] | None = None,
+        max_batch_size: int = 256,
+        max_model_len: int | None = None,
+        kv_cache_gb: float = 1.0,
+        threads: int = 0,
+        work_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not available():
+            raise ImportError(f"the vLLM engine needs vLLM: {INSTALL}")
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model path {model_path!r} is not a directory")
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="meshrl-vllm-"))
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(self.work_dir / "cache"))
+        # lets collective_rpc carry our own function (`_retie`) to vLLM's worker processes (children of
+        # this one; pickle, not a network boundary)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if not device.startswith("cuda"):
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+            if threads:
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        config = AutoConfig.from_pretrained(model_path)
+        self.vocab_size = int(config.vocab_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self._eos = self._eos_ids(model_path, config)
+        self.llm = LLM(
+            model=model_path,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype=str((loader_kwargs or {}).get("torch_dtype", "float32")).replace("torch.", ""),
+            max_model_len=max_model_len,
+            max_num_seqs=max_batch_size,
+            logprobs_mode="processed_logprobs",
+            seed=seed,
+        )
+        self.engine = self.llm.llm_engine
+        self._listing = _listing(model_path)
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self._next_id = 0
+
+    @staticmethod
+    def _eos_ids(model_path: str, config: Any) -> list[int]:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        found: list[int] = []
+        sources: list[Any] = [getattr(config, "eos_token_id", None)]
+        with contextlib.suppress(OSError):
+            sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+        with contextlib.suppress(OSError, ValueError):
+            sources.append(AutoTokenizer.from_pretrained(model_path).eos_token_id)
+        for s in sources:
+            for t in s if isinstance(s, list) else [s]:
+                if isinstance(t, int) and t not in found:
+                    found.append(t)
+        return found
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def parameters(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return list(self._listing)
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        known = {name: shape for name, shape, _ in self._listing}
+        for name, tensor in named:
+            if name not in known:
+                raise ValueError(f"unknown parameter {name!r}")
+            if tuple(tensor.shape) != known[name]:
+                raise ValueError(f"shape mismatch for parameter {name!r}: got {tuple(tensor.shape)}")
+            self._staged.append((name, tensor.detach().to("cpu", copy=True)))
+
+    def set_version(self, version: int) -> None:
+        """Apply the weights loaded since the last version, then take the new version number."""
+        if self._staged:
+            from safetensors.torch import save_file
+
+            path = self.work_dir / "weights"
+            path.mkdir(exist_ok=True)
+            save_file(dict(self._staged), str(path / "model.safetensors"))
+            self._staged = []
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            if self.tied:
+                self.llm.collective_rpc(_retie)
+            self.llm.reset_prefix_cache()
+        super().set_version(version)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def _params(self, params: SamplingParams, seed: int | None, max_tokens: int) -> Any:
+        from vllm import SamplingParams as VParams
+
+        return VParams(
+            n=1,
+            temperature=params.temperature,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            top_p=params.top_p,
+            max_tokens=max_tokens,
+            stop_token_ids=[*self._eos, *params.stop_token_ids],
+            ignore_eos=False,
+            logprobs=0,
+            seed=seed,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+
+    def _check(self, seqs: list[list[int]], what: str) -> None:
+        for i, seq in enumerate(seqs):
+            if not seq:
+                raise ValueError(f"{what}[{i}] is empty")
+            if min(seq) < 0 or max(seq) >= self.vocab_size:
+                raise ValueError(f"{what}[{i}] has a token id outside [0, {self.vocab_size})")
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        interrupt: Callable[[], bool] | None = None,
+        seeds: list[int] | None = None,
+    ) -> list[Completion]:
+        self._check(prompts, "prompts")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        ids: dict[str, int] = {}
+        for i, prompt in enumerate(prompts):
+            seed = (
+                seeds[i] % 2**63 if seeds is not None else (None if params.seed is None else params.seed + i)
+            )
+            rid = f"r{self._next_id}"
+            self._next_id += 1
+            ids[rid] = i
+            self.engine.add_request(
+                rid, {"prompt_token_ids": list(prompt)}, self._params(params, seed, params.max_new_tokens)
+            )
+        out: list[Completion | None] = [None] * len(prompts)
+        latest: dict[str, Any] = {}
+        while self.engine.has_unfinished_requests():
+            if interrupt is not None and interrupt():
+                left = [rid for rid in ids if out[ids[rid]] is None]
+                self.engine.abort_request(left)
+                for rid in left:
+                    out[ids[rid]] = _completion(latest.get(rid), FINISH_INTERRUPTED)
+                break
+            for result in self.engine.step():
+                latest[result.request_id] = result
+                if result.finished and result.request_id in ids:
+                    out[ids[result.request_id]] = _completion(result, None)
+        return [c if c is not None else Completion([], [], FINISH_INTERRUPTED) for c in out]
+
+    @torch.inference_mode()
+    def score(
+        self, sequences: list[list[int]], prompt_lens: list[int], *, temperature: float = 1.0
+    ) -> list[list[float]]:
+        from vllm import SamplingParams as VParams
+
+        self._check(sequences, "sequences")
+        # processed prompt logprobs apply the request's temperature, as generation does
+        params = VParams(max_tokens=1, temperature=temperature if temperature > 0 else 1.0,
+                         prompt_logprobs=0, detokenize=False)  # fmt: skip
+        results = self.llm.generate(
+            [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
+        )
+        out = []
+        for seq, start, r in zip(sequences, prompt_lens, results, strict=True):
+            lps = r.prompt_logprobs  # position j: logprob of token j given the ones before (None at 0)
+            out.append([float(lps[j][seq[j]].logprob) for j in range(start, len(seq))])
+        return out
+
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+
+def _retie(worker: Any) -> None:
+    """In a vLLM worker, after an in-place reload of a model whose output head is its input embedding:
+    the reload loads the embedding and post-processes the layers it loaded, but the head shares the
+    weight without being loaded itself, so its post-processed form (on CPU a packed copy for the GEMM)
+    still holds the old weights; redo it (measured: logprobs stopped following the updates before)."""
+    model = worker.model_runner.get_model()
+    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _completion(result: Any, reason: str | None) -> Completion:
+    if result is None:
+        return Completion([], [], reason or FINISH_INTERRUPTED)
+    o = result.outputs[0]
+    tokens = list(o.token_ids)
+    logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs or [], tokens, strict=False)]
+    if reason is None:
+        reason = FINISH_STOP if o.finish_reason == "stop" else FINISH_LENGTH
+    return Completion(tokens, logprobs[: len(tokens)], reason)
+
+
+def _listing(model_path: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every parameter of the HF model, as the trainer names them, built on the
+    meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+    return [(n, tuple(p.shape), names.get(str(p.dtype).replace("torch.", ""), "float32"))
+            for n, p in model.named_parameters()]  # fmt: skip
