@@ -30,6 +30,7 @@ through `Service.device_turn()`, which is a no-op for a group that is in no ring
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -113,6 +114,11 @@ class Arbiter:
         self.last_on_demand = len(plan.members) - 1
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        # the last grants of a free token: (turn, member, members with requests pending, previous
+        # ON_DEMAND holder), for tests and debugging
+        self.history: collections.deque[tuple[int, int, tuple[int, ...], int]] = collections.deque(
+            maxlen=4096
+        )
         self.thread = threading.Thread(target=self._loop, name=f"ring-{plan.id}", daemon=True)
         self.thread.start()
 
@@ -168,6 +174,7 @@ class Arbiter:
                 turn.preempted = True
                 self._write("preempt", list(turn.rows), turn.number)
             return
+        previous = self.last_on_demand
         if waiting:
             n = len(self.plan.members)
             member = min(waiting, key=lambda m: (m - self.last_on_demand - 1) % n)
@@ -176,6 +183,8 @@ class Arbiter:
             member = fallback
         else:
             return  # nobody asks: the token stays free
+        asking = tuple(m for m, q in enumerate(self.pending) if q)
+        self.history.append((self.turns + 1, member, asking, previous))
         self.turns += 1
         self.turn = _Turn(member, self.turns)
         queue, self.pending[member] = self.pending[member], []

@@ -49,6 +49,7 @@ def main() -> None:
                 with member.turn():
                     time.sleep(0.002)  # a slice of work; a safe point follows
         else:
+            time.sleep(0.3)  # the fallback, asking at once, holds the token first
             for _ in range(int(turns)):
                 time.sleep(rng.uniform(0, 0.03))
                 note("request")
@@ -56,6 +57,10 @@ def main() -> None:
                     time.sleep(rng.uniform(0, 0.02))
             while member.arbiter is not None and not os.path.exists(log_path + ".stop"):
                 time.sleep(0.05)  # the arbiter's process stays while the others take their turns
+        if member.arbiter is not None:  # what the arbiter decided, in its order
+            for turn, granted, asking, previous in list(member.arbiter.history):
+                out.write(json.dumps({"t": 0, "ev": "decision", "by": process, "turn": turn,
+                                      "member": granted, "asking": asking, "previous": previous}) + "\n")  # fmt: skip
         note("done")
     finally:
         member.close()

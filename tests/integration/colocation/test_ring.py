@@ -14,7 +14,6 @@ import pytest
 from tests.conftest import REPO
 
 FALLBACK, ON_DEMAND = "fallback", "on_demand"
-SLACK = 0.005  # requests this close to a hand-off may reach the arbiter on either side of it
 
 
 def run_ring(plane, tmp_path: Path, modes: list[str], processes: list[list[str]], turns: int, seed: int):
@@ -101,25 +100,18 @@ def test_one_holder_every_request_granted_and_the_fallback_fills_the_gaps(
     for p, m in member_of.items():
         if modes[m] == ON_DEMAND:
             assert sum(1 for e in events if e["by"] == p and e["ev"] == "enter") == turns, p
-    if FALLBACK not in modes:
-        return
-    # the fallback holds the token whenever no ON_DEMAND request is pending: each ON_DEMAND process
-    # alternates request -> enter, so its k-th request is granted at its k-th enter
-    fb = modes.index(FALLBACK)
-    asks: list[tuple[float, float]] = []  # (requested, granted) of every ON_DEMAND turn
-    for p, m in member_of.items():
-        if m != fb:
-            req = [e["t"] for e in events if e["by"] == p and e["ev"] == "request"]
-            ent = [e["t"] for e in events if e["by"] == p and e["ev"] == "enter"]
-            asks += list(zip(req, ent, strict=True))
-    checked = 0
-    for (_, end, m), nxt in itertools.pairwise(held):
-        if m == fb:
-            continue
-        pending = [a for a in asks if a[0] < end + SLACK and a[1] > end]
-        if not pending:
-            assert nxt[2] == fb, (
-                f"after {m}'s turn ended at {end} with nobody waiting, {nxt[2]} got the token"
-            )
-            checked += 1
-    assert checked > 0
+    # the order follows the rule, in the order the arbiter saw requests (client clocks cannot tell which
+    # of two near-simultaneous requests reached the data plane first): ON_DEMAND members round robin
+    # after the previous ON_DEMAND holder; the fallback whenever no ON_DEMAND member asks
+    fb = modes.index(FALLBACK) if FALLBACK in modes else None
+    decisions = [e for e in events if e["ev"] == "decision"]
+    assert [d["turn"] for d in decisions] == list(range(1, len(decisions) + 1))
+    n = len(modes)
+    for d in decisions:
+        on_demand = [m for m in d["asking"] if m != fb]
+        if on_demand:
+            assert d["member"] == min(on_demand, key=lambda m: (m - d["previous"] - 1) % n), d
+        else:
+            assert d["member"] == fb, d
+    if fb is not None:  # the ON_DEMAND members start asking late: the fallback held the token first
+        assert decisions[0]["member"] == fb
