@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -82,19 +83,13 @@ def account(path: str | Path, partition: str = "samples", consumer: str = "train
     produced: set[int] = set()
     deleted: set[int] = set()
     consumed: Counter[int] = Counter()
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r["p"] != partition:
-                continue
-            if r["op"] == "put":
-                produced.update(range(r["first"], r["first"] + r["n"]))
-            elif r["op"] == "ack" and r["c"] == consumer:
-                consumed.update(r["ids"])
-            elif r["op"] == "del":
-                deleted.update(r["ids"])
+    for r in records(path, partition):
+        if r["op"] == "put":
+            produced.update(range(r["first"], r["first"] + r["n"]))
+        elif r["op"] == "ack" and r["c"] == consumer:
+            consumed.update(r["ids"])
+        elif r["op"] == "del":
+            deleted.update(r["ids"])
     done = set(consumed)
     return Account(
         produced=len(produced),
@@ -118,20 +113,24 @@ def written_before(
     have: dict[int, set[str]] = {}
     want = set(columns)
     acked = complete = 0
+    for r in records(path, partition):
+        if r["op"] == "put":
+            for i in range(r["first"], r["first"] + r["n"]):
+                have[i] = set(r.get("cols", ()))
+        elif r["op"] == "set":
+            for i in r["ids"]:
+                have.setdefault(i, set()).update(r["cols"])
+        elif r["op"] == "ack" and r["c"] == consumer:
+            acked += len(r["ids"])
+            complete += sum(want <= have.get(i, set()) for i in r["ids"])
+    return acked, complete
+
+
+def records(path: str | Path, partition: str) -> Iterator[dict]:
+    """The ledger's records of one partition, in order."""
     with open(path) as f:
         for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r["p"] != partition:
-                continue
-            if r["op"] == "put":
-                for i in range(r["first"], r["first"] + r["n"]):
-                    have[i] = set(r.get("cols", ()))
-            elif r["op"] == "set":
-                for i in r["ids"]:
-                    have.setdefault(i, set()).update(r["cols"])
-            elif r["op"] == "ack" and r["c"] == consumer:
-                acked += len(r["ids"])
-                complete += sum(want <= have.get(i, set()) for i in r["ids"])
-    return acked, complete
+            if line.strip():
+                r = json.loads(line)
+                if r["p"] == partition:
+                    yield r

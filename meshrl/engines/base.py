@@ -78,6 +78,15 @@ class Completion:
     """"stop" (ended on an EOS or stop token, the last of `tokens`) or "length" (hit max_new_tokens)."""
 
 
+def check_token_ids(seqs: list[list[int]], vocab_size: int, what: str) -> None:
+    """ValueError unless every sequence is non-empty and its ids are in [0, vocab_size)."""
+    for i, seq in enumerate(seqs):
+        if not seq:
+            raise ValueError(f"{what}[{i}] is empty")
+        if min(seq) < 0 or max(seq) >= vocab_size:
+            raise ValueError(f"{what}[{i}] has a token id outside [0, {vocab_size})")
+
+
 class InferenceEngine(abc.ABC):
     """Samples and scores token sequences with one model whose weights the trainer replaces over time.
 

@@ -25,6 +25,7 @@ from meshrl.engines.base import (
     Completion,
     InferenceEngine,
     SamplingParams,
+    check_token_ids,
 )
 
 # Finished rows are removed from the batch (and its KV cache) once they are at least this fraction of it:
@@ -211,13 +212,6 @@ class HFEngine(InferenceEngine):
 
     # -- generation --------------------------------------------------------------------------------
 
-    def _check_tokens(self, seqs: list[list[int]], what: str) -> None:
-        for i, seq in enumerate(seqs):
-            if not seq:
-                raise ValueError(f"{what}[{i}] is empty")
-            if min(seq) < 0 or max(seq) >= self.vocab_size:
-                raise ValueError(f"{what}[{i}] has a token id outside [0, {self.vocab_size})")
-
     def _chunks(self, order: list[int]) -> Iterable[list[int]]:
         for start in range(0, len(order), self.max_batch_size):
             yield order[start : start + self.max_batch_size]
@@ -235,7 +229,7 @@ class HFEngine(InferenceEngine):
             return []
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        self._check_tokens(prompts, "prompts")
+        check_token_ids(prompts, self.vocab_size, "prompts")
         generator = torch.Generator(device=self.device)
         if params.seed is None:
             generator.seed()
@@ -352,7 +346,7 @@ class HFEngine(InferenceEngine):
         for i, (seq, n) in enumerate(zip(sequences, prompt_lens, strict=True)):
             if not 1 <= n <= len(seq):
                 raise ValueError(f"prompt_lens[{i}] = {n} is not in [1, len(sequences[{i}]) = {len(seq)}]")
-        self._check_tokens(sequences, "sequences")
+        check_token_ids(sequences, self.vocab_size, "sequences")
         results: list[list[float]] = [[] for _ in sequences]
         todo = [i for i, seq in enumerate(sequences) if len(seq) > prompt_lens[i]]
         todo.sort(key=lambda i: len(sequences[i]), reverse=True)

@@ -36,6 +36,7 @@ from meshrl.engines.base import (
     Completion,
     InferenceEngine,
     SamplingParams,
+    check_token_ids,
 )
 
 INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
@@ -162,13 +163,6 @@ class VLLMEngine(InferenceEngine):
             skip_special_tokens=False,
         )
 
-    def _check(self, seqs: list[list[int]], what: str) -> None:
-        for i, seq in enumerate(seqs):
-            if not seq:
-                raise ValueError(f"{what}[{i}] is empty")
-            if min(seq) < 0 or max(seq) >= self.vocab_size:
-                raise ValueError(f"{what}[{i}] has a token id outside [0, {self.vocab_size})")
-
     def generate(
         self,
         prompts: list[list[int]],
@@ -177,7 +171,7 @@ class VLLMEngine(InferenceEngine):
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
     ) -> list[Completion]:
-        self._check(prompts, "prompts")
+        check_token_ids(prompts, self.vocab_size, "prompts")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         ids: dict[str, int] = {}
@@ -212,7 +206,7 @@ class VLLMEngine(InferenceEngine):
     ) -> list[list[float]]:
         from vllm import SamplingParams as VParams
 
-        self._check(sequences, "sequences")
+        check_token_ids(sequences, self.vocab_size, "sequences")
         # processed prompt logprobs apply the request's temperature, as generation does
         params = VParams(max_tokens=1, temperature=temperature if temperature > 0 else 1.0,
                          prompt_logprobs=0, detokenize=False)  # fmt: skip

@@ -205,6 +205,10 @@ class InferenceService(Service):
         with, now holds `version`."""
         with self.lock:
             self.engine.set_version(version)
+        self.announce(version)
+
+    def announce(self, version: int) -> None:
+        """A new weight version is in the engine: wake generation waiting for it."""
         with self.version_changed:
             self.version_changed.notify_all()
         self.ctx.health.info["version"] = version
@@ -261,11 +265,7 @@ class InferenceService(Service):
                     with self.lock:
                         self.engine.load_weights(staged)
                         self.engine.set_version(version)
-                with self.version_changed:
-                    self.version_changed.notify_all()
-                self.ctx.health.info["version"] = version
-                if self.loop is not None and self.new_version is not None:
-                    self.loop.call_soon_threadsafe(self.new_version.set)
+                self.announce(version)
                 level = (
                     logging.INFO if version % 50 == 0 else logging.DEBUG
                 )  # 64 replicas x every step adds up
