@@ -118,6 +118,8 @@ class Controller:
         for s in self._storage_socks.values():
             s.close(0)
         self.server.shutdown()
+        if self.ledger is not None:
+            self.ledger.close()
         self.ctx.term()
 
     def _next_timeout(self) -> float:

@@ -61,6 +61,10 @@ class Ledger:
             f.truncate(offset)
         self.file = open(self.path, "a")  # noqa: SIM115
 
+    def flush(self) -> None:
+        if not self.file.closed:
+            self.file.flush()
+
     def close(self) -> None:
         self.file.close()
 

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     servers: list[Controller | Storage] = []
     ready: dict[str, str] = {}
+    ledger: Ledger | None = None
     if not args.storage_only:
         ledger = Ledger(args.ledger, args.ledger_partitions.split(",")) if args.ledger else None
         ctl = Controller(
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     for t in threading.enumerate():
         if t.name in ("controller", "storage"):
             t.join(timeout=5)
+    if ledger is not None:  # written by the controller's close; again in case its thread is stuck
+        ledger.flush()
     # Leave without interpreter teardown: ZMQ's exit hooks can wait on a context that a server thread
     # still holds (seen once under load as a 30 s hang after SIGTERM); everything is flushed above.
     logging.shutdown()
