@@ -13,7 +13,8 @@ pytestmark = pytest.mark.vllm
 
 def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_model):
     from meshrl.engines.base import SamplingParams
-    from meshrl.engines.fsdp import FSDPEngine, OptimConfig, pack
+    from meshrl.engines.fsdp import FSDPEngine, OptimConfig
+    from meshrl.engines.packing import pack
     from meshrl.engines.vllm import VLLMEngine
     from meshrl.roles.trainer.config import TrainerConfig
 

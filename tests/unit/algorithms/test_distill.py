@@ -9,7 +9,7 @@ import torch
 
 from meshrl.algorithms.distill import reverse_kl_advantages, topk_forward_kl, topk_logprobs
 from meshrl.dataplane import Ragged
-from meshrl.engines.fsdp import pack
+from meshrl.engines.packing import pack
 
 
 @pytest.mark.parametrize(

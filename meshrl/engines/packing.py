@@ -1,0 +1,112 @@
+"""Rows packed for training: prompt + response token ids right-padded into one batch, with every
+per-response-token column (behaviour logprobs, advantages, reference logprobs, values, returns, the
+teachers' top-k) aligned to the positions that predict those tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshrl.dataplane.batch import Ragged
+
+
+@dataclass
+class TrainBatch:
+    """Rows packed for training. Position t of `mask`/`old_logprobs` scores token t+1 of `input_ids`."""
+
+    input_ids: torch.Tensor  # [n, L] right-padded prompt + response
+    attention_mask: torch.Tensor  # [n, L]
+    mask: torch.Tensor  # [n, L-1] bool: positions that predict a response token of a valid row
+    old_logprobs: torch.Tensor  # [n, L-1] behaviour logprobs at those positions
+    advantages: torch.Tensor  # [n] (outcome) or [n, L-1] (per token)
+    ref_logprobs: torch.Tensor | None = None  # [n, L-1]
+    stale: torch.Tensor | None = None  # [n] bool: generated with weights older than the step's start
+    values: torch.Tensor | None = None  # [n, L-1] critic values the advantages were computed with
+    returns: torch.Tensor | None = None  # [n, L-1] the critic's regression targets
+    # per teacher (column prefix): top-k ids [n, L-1, k], top-k logprobs [n, L-1, k], sampled-token
+    # logprobs [n, L-1]
+    teachers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: torch.Tensor) -> TrainBatch:
+        """A subset of rows, trimmed to its own longest row."""
+        width = int(self.attention_mask[index].sum(1).max())
+        pick = lambda t: None if t is None else t[index][:, : width - 1] if t.dim() >= 2 else t[index]  # noqa: E731
+        return TrainBatch(
+            input_ids=self.input_ids[index][:, :width],
+            attention_mask=self.attention_mask[index][:, :width],
+            mask=pick(self.mask),  # type: ignore[arg-type]
+            old_logprobs=pick(self.old_logprobs),  # type: ignore[arg-type]
+            advantages=pick(self.advantages),  # type: ignore[arg-type]
+            ref_logprobs=pick(self.ref_logprobs),
+            stale=None if self.stale is None else self.stale[index],
+            values=pick(self.values),
+            returns=pick(self.returns),
+            teachers={k: tuple(pick(t) for t in v) for k, v in self.teachers.items()},  # type: ignore[misc]
+        )
+
+
+def pack(
+    prompts: Ragged | list[torch.Tensor],
+    responses: Ragged | list[torch.Tensor],
+    logprobs: Ragged | list[torch.Tensor] | None,
+    advantages: torch.Tensor | Ragged,
+    valid: torch.Tensor,
+    ref_logprobs: Ragged | list[torch.Tensor] | None = None,
+    pad_id: int = 0,
+    stale: torch.Tensor | None = None,
+    values: Ragged | None = None,
+    returns: Ragged | None = None,
+    teachers: dict[str, tuple[Ragged, Ragged, Ragged]] | None = None,
+) -> TrainBatch:
+    """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
+
+    `advantages` is one value per row (outcome estimators) or a ragged column with one per response
+    token (GAE). Vectorised over rows: a few index computations whatever the batch size.
+    """
+    p, r = (x if isinstance(x, Ragged) else Ragged.from_list(x) for x in (prompts, responses))
+    n = len(p)
+    pl, rl = p.lengths, r.lengths
+    width = int((pl + rl).max())
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    row_p, col_p = _positions(pl, torch.zeros_like(pl))
+    ids[row_p, col_p] = p.values.long()
+    row_r, col_r = _positions(rl, pl)
+    ids[row_r, col_r] = r.values.long()
+    attn = (torch.arange(width)[None, :] < (pl + rl)[:, None]).long()
+    mask = torch.zeros((n, width - 1), dtype=torch.bool)
+    mask[row_r, col_r - 1] = valid.bool()[row_r]
+
+    def tokens(column: Ragged | list[torch.Tensor] | None, dtype: torch.dtype = torch.float32) -> Any:
+        if column is None:
+            return None
+        column = column if isinstance(column, Ragged) else Ragged.from_list(column)
+        out = torch.zeros((n, width - 1, *column.values.shape[1:]), dtype=dtype)
+        out[row_r, col_r - 1] = column.values.to(dtype)
+        return out
+
+    old = tokens(logprobs)
+    old = torch.zeros(mask.shape) if old is None else old
+    if isinstance(advantages, Ragged):
+        adv = torch.where(mask, tokens(advantages), 0.0)
+    else:
+        adv = torch.where(valid.bool(), advantages.float(), 0.0)
+    distill = {
+        name: (tokens(top_ids, torch.long), tokens(top_lp), tokens(sampled))
+        for name, (top_ids, top_lp, sampled) in (teachers or {}).items()
+    }
+    return TrainBatch(
+        ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill
+    )
+
+
+def _positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of every item of ragged rows laid out from column `start[row]`."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first - start, lengths)
+    return rows, cols
