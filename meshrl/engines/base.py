@@ -141,6 +141,9 @@ class InferenceEngine(abc.ABC):
         trainer holding the same HF model can send its tensors by name.
         """
 
+    def close(self) -> None:  # noqa: B027 (optional hook: most engines hold nothing outside)
+        """Release what the engine holds outside this process (vLLM's worker processes, ...)."""
+
     def offload(self, path: str) -> int:
         """Release the weights (and any cache) from device and resident memory, keeping them in the file
         `path`; `load_weights` still works meanwhile (it updates the file). Returns bytes released.

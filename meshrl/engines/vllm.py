@@ -222,6 +222,11 @@ class VLLMEngine(InferenceEngine):
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes (left to exit hooks, they leak their shared
+        memory segments in /dev/shm, and a process that leaves with os._exit would orphan them)."""
+        self.engine.engine_core.shutdown()
+
 
 def _retie(worker: Any) -> None:
     """In a vLLM worker, after an in-place reload of a model whose output head is its input embedding:

@@ -231,6 +231,11 @@ class InferenceService(Service):
         if self.ring is not None and self.loop is not None and self.ring.yield_if_preempted():
             self.acquiring = self.ring.acquire_async(self.loop)
 
+    def close(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.close()
+        super().close()
+
     def offload(self) -> None:
         with self.lock:
             self.engine.offload(str(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin"))

@@ -4,6 +4,9 @@ Run by `make test-vllm` (in .venv-vllm); skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -11,14 +14,31 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 
+def shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_model):
+    from meshrl.engines.vllm import VLLMEngine
+
+    before = shm()
+    engine = VLLMEngine(str(arith_model), max_batch_size=32, threads=1, work_dir=str(tmp_path / "vllm"))
+    try:
+        check_versions(engine, arith_model)
+    finally:
+        engine.close()
+    deadline = time.monotonic() + 20  # vLLM's processes unlink their segments as they exit
+    while shm() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not shm() - before, f"vLLM left shared memory behind: {sorted(shm() - before)}"
+
+
+def check_versions(engine, arith_model) -> None:
     from meshrl.engines.base import SamplingParams
     from meshrl.engines.fsdp import FSDPEngine, OptimConfig
     from meshrl.engines.packing import pack
-    from meshrl.engines.vllm import VLLMEngine
     from meshrl.roles.trainer.config import TrainerConfig
 
-    engine = VLLMEngine(str(arith_model), max_batch_size=32, threads=1, work_dir=str(tmp_path / "vllm"))
     trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device("cpu"))
     cfg = TrainerConfig(model=str(arith_model), micro_batch=16)
     g = torch.Generator().manual_seed(0)
