@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.conftest import free_base_port
+
 REPO = Path(__file__).resolve().parents[3]
 COUNTER = str(REPO / "recipes" / "counter.py")
 
@@ -53,9 +55,9 @@ def assert_all_gone(pids: dict[str, int] | list[int]) -> None:
 
 
 def free_port_base() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return 20000 + s.getsockname()[1] % 30000
+    """A base port whose run ports are free now (a bare random base could land on a live connection's
+    ephemeral port: seen once as a launcher failing to start in CI)."""
+    return free_base_port()
 
 
 def test_counter_runs_to_completion_and_leaves_nothing_behind(tmp_path):
