@@ -137,7 +137,9 @@ def free_base_port() -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = 20000 + s.getsockname()[1] % 35000
+            # below Linux's ephemeral range (32768-60999): a port there can be taken at any moment by
+            # some connection's local end (seen in CI as EADDRINUSE on a trainer's rendezvous port)
+            base = 20000 + s.getsockname()[1] % 12000
         try:
             for port in (base, base + 1, base + 2, base + 40):
                 with socket.socket() as probe:
