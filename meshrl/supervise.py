@@ -41,9 +41,8 @@ class Child:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env,
+            env={**self.env, "MESHRL_PARENT": str(os.getpid())},
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         self.started = time.monotonic()
 
@@ -88,10 +87,18 @@ class Child:
             self.log = None
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def die_with_parent() -> None:
+    """First thing in a service process: get SIGTERM when the launcher that started it dies, even by
+    SIGKILL (Linux). Asked for here, after exec, and not in a pre-exec hook: Python code run between
+    fork and exec in a launcher with threads (gloo, ZMQ) can deadlock on a lock another thread held at
+    the fork, and Popen then waits for that child forever."""
+    parent = os.environ.get("MESHRL_PARENT")
+    if parent is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the launcher died before we could ask
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -100,12 +107,17 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def wait_ready(children: list[Child], timeout: float) -> Child | None:
-    """Wait until every child reports ready (or finished). Returns a child that died, if one did."""
+    """Wait until every child reports ready (or finished: a short service may exit cleanly before its
+    first health probe). Returns a child that failed, if one did."""
     pending = [c for c in children if c.health_port is not None]
     deadline = time.monotonic() + timeout
     while pending:
         for c in list(pending):
-            if c.poll() is not None:
+            code = c.poll()
+            if code == 0:
+                pending.remove(c)
+                continue
+            if code is not None:
                 return c
             h = c.health(timeout=0.5)
             if h is not None and h.get("state") in ("running", "finished"):

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.recipe import load_recipe, service_class
+from meshrl.supervise import die_with_parent
 from meshrl.topology import Device, plan
 
 
 def main() -> None:
+    die_with_parent()
     args = sys.argv[1:]
     if not args or len(args) % 3:
         raise SystemExit("usage: python -m meshrl.worker GROUP REPLICA WORKER [GROUP REPLICA WORKER ...]")

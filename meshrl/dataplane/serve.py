@@ -22,9 +22,11 @@ from meshrl.dataplane.controller import Controller
 from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.storage import Storage
+from meshrl.supervise import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent()
     ap = argparse.ArgumentParser(prog="meshrl queue serve", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--controller", default="tcp://127.0.0.1:0", help="controller endpoint (bind, or connect)"

@@ -20,8 +20,11 @@ def main() -> None:
     if mode == "consume":  # consume PARTITION CONSUMER BATCH UNTIL_EMPTY_S
         part, consumer, n, idle = sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6])
         got: list[list[int]] = []
+        print(json.dumps({"ready": True}), flush=True)
+        wait = 60.0  # for the first rows; after those, an idle gap this long means the producers are done
         while True:
-            b = c.claim(part, consumer, ["x"], n, timeout=idle)
+            b = c.claim(part, consumer, ["x"], n, timeout=wait)
+            wait = idle
             if not b:
                 break
             got.extend([int(i), int(x)] for i, x in zip(b.ids, b["x"], strict=True))  # type: ignore[arg-type]

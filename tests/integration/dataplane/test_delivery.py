@@ -32,9 +32,11 @@ def result(proc: subprocess.Popen, timeout: float = 60) -> dict:
 def test_exactly_once_across_concurrent_consumers_and_independent_names(plane):
     with Client(plane.controller) as c:
         c.create_partition("rows", 4096)
-        producers = [worker("produce", plane.controller, "rows", "600", "37") for _ in range(2)]
         same_name = [worker("consume", plane.controller, "rows", "trainer", "16", "2.0") for _ in range(3)]
         other_name = worker("consume", plane.controller, "rows", "critic", "50", "2.0")
+        for p in [*same_name, other_name]:  # all waiting before the first row: each can get a share
+            assert json.loads(p.stdout.readline()) == {"ready": True}  # type: ignore[union-attr]
+        producers = [worker("produce", plane.controller, "rows", "600", "37") for _ in range(2)]
         written = {i: x for p in producers for i, x in result(p)["pairs"]}
         assert len(written) == 1200
         per_consumer = [result(p)["pairs"] for p in same_name]

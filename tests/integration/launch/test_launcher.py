@@ -107,6 +107,26 @@ def test_counter_runs_to_completion_and_leaves_nothing_behind(tmp_path):
     assert_all_gone(sorted(seen))
 
 
+def test_services_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrl.cli", "run", COUNTER, f"run_dir={run_dir}", f"base_port={free_port_base()}",
+         "consumer.delay_s=5"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(started_pids(run_dir)) < 4:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    pids = started_pids(run_dir)
+    launchers = {psutil.Process(p).ppid() for p in pids.values()}
+    assert proc.pid not in launchers and len(launchers) == 2
+    for pid in launchers:
+        os.kill(pid, 9)
+    assert_all_gone(pids)  # nobody is left to stop them: the kernel tells them their parent died
+    proc.wait(timeout=60)
+
+
 def test_a_failing_service_stops_the_run_with_its_traceback(tmp_path):
     run_dir = tmp_path / "run"
     r = meshrl("run", COUNTER, f"run_dir={run_dir}", f"base_port={free_port_base()}", "consumer.fail_after=20",
@@ -143,8 +163,7 @@ def test_two_torchrun_nodes_form_one_run(tmp_path):
             subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     outs = [p.communicate(timeout=180) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(e[-3000:] for _, e in outs)
     assert "run finished" in outs[0][0]
     pids = started_pids(run_dir)
     assert {"producer-0-0", "consumer-0-1"} <= set(pids)  # one service on each node's launcher
