@@ -144,6 +144,7 @@ def run(
             for k in ("generate", "forward_backward", "optimizer", "sync", "wait")
         },
         **critic_figures(run_dir, args.warmup),
+        **value_head_figures(metrics),
         **teacher_figures(metrics),
         "steps": len(metrics),
         "wall_s": round(wall, 1),
@@ -167,6 +168,18 @@ def critic_figures(run_dir: Path, warmup: int) -> dict[str, object]:
         "value_loss_first10": round(sum(loss[:10]) / len(loss[:10]), 4),
         "value_loss_last10": round(sum(loss[-10:]) / len(loss[-10:]), 4),
     }
+
+
+def value_head_figures(metrics: list[dict]) -> dict[str, object]:
+    """For recipes whose trainer has a value head: value loss and explained variance, first and last 10."""
+    if "value_loss" not in metrics[0]:
+        return {}
+    out: dict[str, object] = {}
+    for key in ("value_loss", "explained_variance"):
+        values = [m[key] for m in metrics]
+        out[f"{key}_first10"] = round(sum(values[:10]) / len(values[:10]), 4)
+        out[f"{key}_last10"] = round(sum(values[-10:]) / len(values[-10:]), 4)
+    return out
 
 
 def teacher_figures(metrics: list[dict]) -> dict[str, object]:

@@ -13,6 +13,7 @@ gather is collective) and only rank 0 keeps what it yields.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import time
@@ -38,6 +39,10 @@ from meshrl.algorithms.losses import (
 )
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines.packing import TrainBatch
+
+HEADS = ("lm", "value", "lm+value")
+VALUE_HEAD_FILE = "value_head.safetensors"
+"""The actor-critic's value head, saved next to the policy's HF checkpoint (which loads without it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,13 +84,15 @@ class FSDPEngine:
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
-        `model_path` is a causal LM)."""
+        `model_path` is a causal LM); "lm+value": a shared-backbone actor-critic, the policy with a
+        linear value head on its last hidden state (`model.value_head`, loaded from VALUE_HEAD_FILE in
+        `model_path` when there is one, else zero: every value starts at 0)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-        if head not in ("lm", "value"):
-            raise ValueError(f"head must be 'lm' or 'value', not {head!r}")
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, not {head!r}")
         torch.manual_seed(seed)
         self.head = head
         self.device = device
@@ -102,11 +109,17 @@ class FSDPEngine:
             model = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
         model.config.use_cache = False
         self.hf_config = model.config
+        # values need the last hidden state, not the logits: most HF models can skip all but one
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+        if head == "lm+value":
+            model.value_head = _value_head(model, model_path)
         model.to(device)
         if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
             for layer in _decoder_layers(model):
                 fully_shard(layer, mesh=mesh)
+            if head == "lm+value":  # called outside the model's forward: its own unit
+                fully_shard(model.value_head, mesh=mesh)
             fully_shard(model, mesh=mesh)
         self.model: Any = model
         # No dropout in RL (HF's classification heads default to 0.1): recomputed logprobs must match
@@ -143,12 +156,27 @@ class FSDPEngine:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logprobs [n, L-1] of the next tokens, entropy [n, L-1], logits [n, L-1, V]); logprobs and
         entropy under logits / temperature."""
+        lp, ent, logits, _ = self._policy_forward(mb, temperature)
+        return lp, ent, logits
+
+    def _policy_forward(
+        self, mb: TrainBatch, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """forward_logprobs, plus the values [n, L-1] of the actor-critic's value head (else None) from
+        the same forward."""
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        both = self.head == "lm+value"
+        out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=both)
+        logits = out.logits[:, :-1]
         lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)
         ent = entropy(logits, temperature=temperature)
-        return lp, ent, logits
+        values = self._head_values(out.hidden_states[-1]) if both else None
+        return lp, ent, logits, values
+
+    def _head_values(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.value_head
+        return head(hidden[:, :-1].to(_local(head.weight).dtype)).squeeze(-1).float()
 
     def update_policy(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
         """Train on `batch` (this rank's share of a mini-batch) as `cfg` (a TrainerConfig) describes:
@@ -186,6 +214,8 @@ class FSDPEngine:
         keys = ("pg_loss", "entropy", "kl_ref", "kl_behaviour", "clip_fraction", "approx_kl")
         sums = dict.fromkeys(keys, 0.0)
         sums.update(is_weight_mean=0.0, is_truncated_fraction=0.0)
+        if self.head == "lm+value" and batch.returns is not None:
+            sums.update(value_loss=0.0, value_clip_fraction=0.0, values_mean=0.0)
         if batch.teachers:  # forward KL to each teacher's top-k, top-1 agreement, reverse KL
             sums["distill_loss"] = 0.0
             for name in sorted(batch.teachers):
@@ -198,7 +228,7 @@ class FSDPEngine:
             if k >= len(chunks):
                 mb.mask = torch.zeros_like(mb.mask)
             mask = mb.mask.to(self.device)
-            lp, ent, logits = self.forward_logprobs(mb, cfg.temperature)
+            lp, ent, logits, values = self._policy_forward(mb, cfg.temperature)
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
             out = self._policy_loss(
@@ -212,6 +242,18 @@ class FSDPEngine:
                 if cfg.kl_coef > 0:
                     loss = loss + cfg.kl_coef * kl_term
                 sums["kl_ref"] += float(kl_term.detach())
+            if values is not None and mb.returns is not None and mb.values is not None:
+                v_loss, v_metrics = value_loss(
+                    values, mb.values.to(self.device), mb.returns.to(self.device), mask, clip=cfg.value_clip,
+                    normalizer=max(g_tokens, 1.0),
+                )  # fmt: skip
+                loss = loss + cfg.value_coef * v_loss
+                weight = float(mask.sum()) / max(g_tokens, 1.0)
+                sums["value_loss"] += float(v_loss.detach())
+                sums["value_clip_fraction"] += v_metrics["value_clip_fraction"] * weight
+                sums["values_mean"] += float(torch.where(mask, values.detach(), 0.0).sum()) / max(
+                    g_tokens, 1.0
+                )
             for name, (top_ids, top_lp, sampled) in mb.teachers.items():
                 d_loss, per = topk_forward_kl(
                     logits, top_ids.to(self.device), top_lp.to(self.device), mask, temperature=cfg.temperature,
@@ -238,7 +280,8 @@ class FSDPEngine:
             is_max = max(is_max, out.metrics.get("is_weight_max", 0.0))
         t1 = time.perf_counter()
         reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
-        total = reduced["pg_loss"] + reduced["kl_ref"] + reduced.get("distill_loss", 0.0)
+        total = (reduced["pg_loss"] + reduced["kl_ref"] + reduced.get("distill_loss", 0.0)
+                 + reduced.get("value_loss", 0.0))  # fmt: skip
         step = self._step(loss_finite=math.isfinite(total))
         t2 = time.perf_counter()
         if cfg.off_policy == "none":
@@ -251,7 +294,8 @@ class FSDPEngine:
             "loss": reduced["pg_loss"]
             - cfg.entropy_coef * reduced["entropy"]
             + cfg.kl_coef * reduced["kl_ref"]
-            + (cfg.distill_coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0),
+            + (cfg.distill_coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0)
+            + (cfg.value_coef * reduced["value_loss"] if "value_loss" in reduced else 0.0),
             "ratio_max": self._max([ratio_max]),
             **step,
             "time/forward_backward_s": t1 - t0,
@@ -265,15 +309,24 @@ class FSDPEngine:
         """Values [n, L-1]: position t is the value of the state that predicts token t+1."""
         ids = mb.input_ids.to(self.device)
         attn = mb.attention_mask.to(self.device)
+        if self.head == "lm+value":  # the last hidden state; of the logits only one position
+            few = {"logits_to_keep": 1} if self._logits_to_keep else {}
+            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, **few)
+            return self._head_values(out.hidden_states[-1])
         return self.model(input_ids=ids, attention_mask=attn).logits[:, :-1, 0].float()
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch, micro_batch: int) -> torch.Tensor:
-        """Values of every position of `batch` (no gradient), computed `micro_batch` rows at a time."""
+        """Values of every position of `batch` (no gradient), computed `micro_batch` rows at a time.
+        Collective under FSDP: every rank runs as many forwards as the rank with the most rows."""
         out = torch.zeros(batch.mask.shape, dtype=torch.float32)
-        for index in torch.arange(len(batch)).split(micro_batch):
-            mb = batch.rows(index)
-            out[index, : mb.mask.shape[1]] = self.forward_values(mb).cpu()
+        chunks = list(torch.arange(len(batch)).split(micro_batch))
+        for k in range(int(self._max([len(chunks)]))):
+            if k >= len(chunks):  # keep step with the other ranks' collectives; nothing to keep
+                self.forward_values(batch.rows(torch.tensor([0])))
+                continue
+            mb = batch.rows(chunks[k])
+            out[chunks[k], : mb.mask.shape[1]] = self.forward_values(mb).cpu()
         return out
 
     def update_value(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
@@ -407,8 +460,12 @@ class FSDPEngine:
     # ---------------------------------------------------------------------------------------------------
     # weights and checkpoints
 
+    def _policy_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters inference generates with (the actor-critic's value head is not one)."""
+        return [(n, p) for n, p in self.model.named_parameters() if not n.startswith("value_head.")]
+
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return [(n, tuple(p.shape), DTYPE_NAMES[p.dtype]) for n, p in self.model.named_parameters()]
+        return [(n, tuple(p.shape), DTYPE_NAMES[p.dtype]) for n, p in self._policy_parameters()]
 
     def get_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
         """Full tensors in manifest order (collective: every rank iterates it).
@@ -416,7 +473,7 @@ class FSDPEngine:
         Shards are gathered one bucket of parameters at a time with a single all-gather each, so the
         cost is a few collectives per model rather than one per parameter, and memory stays bounded.
         """
-        params = [p for _, p in self.model.named_parameters()]
+        params = [p for _, p in self._policy_parameters()]
         with torch.no_grad():
             if self.world == 1:
                 for p in params:
@@ -468,8 +525,14 @@ class FSDPEngine:
         else:
             state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         if self.rank == 0:
+            from safetensors.torch import save_file
             from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+            head: dict[str, Any] = {
+                k.removeprefix("value_head."): state.pop(k)
+                for k in list(state)
+                if k.startswith("value_head.")
+            }
             auto = AutoModelForTokenClassification if self.head == "value" else AutoModelForCausalLM
             with torch.device("meta"):
                 shell = auto.from_config(self.hf_config)
@@ -477,6 +540,8 @@ class FSDPEngine:
             shell.tie_weights()
             shell.config.use_cache = True
             shell.save_pretrained(path)
+            if head:
+                save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, VALUE_HEAD_FILE))
             if tokenizer_from is not None:
                 AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
 
@@ -525,6 +590,23 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     return []
+
+
+def _value_head(model: Any, model_path: str) -> torch.nn.Linear:
+    """A linear value head on `model`'s last hidden state, in the model's dtype: saved weights when
+    `model_path` has them, else zero."""
+    hidden = model.config.get_text_config().hidden_size
+    dtype = next(model.parameters()).dtype
+    head = torch.nn.Linear(hidden, 1, dtype=dtype)
+    saved = os.path.join(model_path, VALUE_HEAD_FILE)
+    if os.path.exists(saved):
+        from safetensors.torch import load_file
+
+        head.load_state_dict(load_file(saved))
+    else:
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+    return head
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,21 @@ def test_a_missing_scoring_service_fails_at_start_up_saying_which_to_add(
         plan(r, [Device(i, "localhost", i) for i in range(max(1, devices_needed(r)))])
 
 
+@pytest.mark.parametrize(
+    ("path", "overrides", "message"),
+    [
+        ("ppo_arith_shared.py", ["trainer.value_head=false"], "rollout.values is 'trainer', so the trainer needs value_head=true"),
+        ("ppo_arith_shared.py", ["rollout.values=critic"], "reads samples.values, which no service writes: add a critic service group (or enable the trainer's value head)"),
+        ("grpo_arith.py", ["trainer.value_head=true"], "value_head: rollout computes its advantages itself; with the trainer's value head set rollout.advantage=gae and rollout.values=trainer"),
+        ("ppo_arith.py", ["rollout.values=trainer", "trainer.value_head=true"], "rollout.values is 'trainer': it does not read the critic's values"),
+    ],
+)  # fmt: skip
+def test_values_come_from_exactly_one_critic(path, overrides, message, tiny_model):
+    r = load_recipe(REPO / "recipes" / path, [f"*.model={tiny_model}", *overrides])
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        plan(r, [Device(i, "localhost", i) for i in range(max(1, devices_needed(r)))])
+
+
 def test_hybrid_ring_members_share_one_process_per_device():
     from meshrl.topology import cohosts
 

@@ -95,4 +95,8 @@ class CriticConfig(ServiceConfig):
                     problems.append(
                         f"{g.id}.advantage is {g.config.advantage!r}: a critic is only used by 'gae'"
                     )
+                elif g.config.values != "critic":
+                    problems.append(
+                        f"{g.id}.values is {g.config.values!r}: it does not read the critic's values"
+                    )
         return problems

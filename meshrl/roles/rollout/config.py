@@ -49,7 +49,12 @@ class RolloutConfig(ServiceConfig):
     """Pacing: 1 = lock-step (sync), k = at most k steps ahead of the trainer, None = never wait."""
     advantage: str = "grpo"
     """How rewards become advantages: grpo, dr_grpo (no std scaling), rloo, reinforce_pp, or gae (per
-    token, from a critic service's `values`; rollout then also writes `returns`)."""
+    token, from values: see `values`)."""
+    values: str = "critic"
+    """Where gae's values come from: "critic" (a critic service writes `values`; rollout computes the
+    advantages and writes `returns` too) or "trainer" (the trainer's value head, trainer.value_head:
+    rollout writes the per-token rewards `token_rewards`, and the trainer computes values, advantages
+    and returns with this config's gamma, lam and whiten)."""
     normalize_std: bool = True
     """GRPO: divide by the group's reward std (False is the Dr. GRPO variant)."""
     gamma: float = 1.0
@@ -101,6 +106,12 @@ class RolloutConfig(ServiceConfig):
             (self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0,
             "reward", "nothing to train on: set a reward function with reward_weight > 0, or rm_weight > 0",
         )  # fmt: skip
+        require(
+            self.values in ("critic", "trainer"), "values", f"{self.values!r} is not 'critic' or 'trainer'"
+        )
+        require(
+            self.values == "critic" or self.advantage == "gae", "values", "'trainer' is for advantage=gae"
+        )
         require(self.kl_in_reward >= 0, "kl_in_reward", "must be >= 0")
         require(self.kl_target is None or self.kl_target > 0, "kl_target", "must be > 0 (or None)")
         require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
@@ -122,17 +133,23 @@ class RolloutConfig(ServiceConfig):
             cols += ("rm_score",)
         if self.kl_in_reward > 0:
             cols += ("logprobs", "ref_logprobs")
-        if self.advantage == "gae":
+        if self.advantage == "gae" and self.values == "critic":
             cols += ("values",)
         return cols
+
+    @property
+    def advantage_columns(self) -> tuple[str, ...]:
+        """What scoring writes besides `reward` and `valid`."""
+        if self.advantage != "gae":
+            return ("advantage",)
+        return ("advantage", "returns") if self.values == "critic" else ("token_rewards",)
 
     def reads(self) -> Columns:
         return {SAMPLES: self.score_columns(), EVAL: ("prompt", "response"), GATE: ("version",)}
 
     def writes(self) -> Columns:
-        extra = ("returns",) if self.advantage == "gae" else ()
         return {
-            SAMPLES: ("prompt", "reward", "advantage", "valid", *extra),
+            SAMPLES: ("prompt", "reward", *self.advantage_columns, "valid"),
             EVAL: ("prompt",),
             CHECKPOINT_ACKS: ("step",),
         }

@@ -272,7 +272,9 @@ class RolloutService(Service):
         columns = list(cfg.score_columns())
         # Estimators normalised over the batch (REINFORCE++, whitened GAE) score a whole batch at once, so
         # that the statistics do not depend on which groups happened to be ready together.
-        whole = cfg.advantage == "reinforce_pp" or (cfg.advantage == "gae" and cfg.whiten)
+        whole = cfg.advantage == "reinforce_pp" or (
+            cfg.advantage == "gae" and cfg.values == "critic" and cfg.whiten
+        )
         while True:
             batch = await self.client.claim(
                 SAMPLES, "rollout", columns, cfg.batch_size, min_n=cfg.batch_size if whole else 1,
@@ -401,12 +403,15 @@ class RolloutService(Service):
         out: dict[str, Any] = {"valid": valid}
         if cfg.advantage == "gae":
             rewards = adv.token_rewards(reward, mask, penalty)
+            out["reward"] = reward
+            if cfg.values == "trainer":  # its value head: it computes the advantages
+                out["token_rewards"] = [rewards[k, : lengths[k]] for k in range(len(pick))]
+                return out
             advantage, returns = adv.gae(rewards, padded("values"), mask, gamma=cfg.gamma, lam=cfg.lam)
             if cfg.whiten:
                 advantage = adv.whiten(advantage, mask)
             out["advantage"] = [advantage[k, : lengths[k]] for k in range(len(pick))]
             out["returns"] = [returns[k, : lengths[k]] for k in range(len(pick))]
-            out["reward"] = reward
             return out
         if penalty is not None:
             reward = reward - penalty.sum(1)

@@ -102,6 +102,17 @@ class TrainerConfig(ServiceConfig):
     """Clamp of the student's logprobs in the forward KL: a token it rules out costs a bounded loss."""
     distill_metric: bool = False
     """Read the teachers' columns and report KL / agreement even when both coefficients are 0."""
+    value_head: bool = False
+    """Shared-backbone actor-critic (PPO without a critic model): a linear value head on the policy's
+    last hidden state, trained with it by value_coef x the clipped value loss. The trainer then takes
+    each mini-batch's values before updating on it and computes GAE advantages and returns itself, from
+    the per-token rewards of a rollout with values="trainer" (with that rollout's gamma, lam, whiten).
+    The head is saved as value_head.safetensors next to the final model. A critic with its own model
+    and optimizer is the critic service instead."""
+    value_coef: float = 0.5
+    """Weight of the value loss in the actor-critic's loss."""
+    value_clip: float | None = 0.2
+    """Clip of the value update around the values the advantages used (None: plain squared error)."""
     inference: tuple[str, ...] = ("inference",)
     """Group ids of the inference services that receive each new weight version."""
     bucket_mb: int = 64
@@ -138,6 +149,9 @@ class TrainerConfig(ServiceConfig):
             min(self.distill_coef, self.distill_advantage, self.pg_coef) >= 0, "distill_coef",
             "distill_coef, distill_advantage and pg_coef must be >= 0",
         )  # fmt: skip
+        require(not (self.value_head and self.engine == "sim"), "value_head", "needs engine='fsdp'")
+        require(self.value_coef >= 0, "value_coef", "must be >= 0")
+        require(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 (or None)")
         require(
             not self.distills or (bool(self.teachers) and all(w > 0 for w in self.teachers.values())),
             "teachers",
@@ -162,7 +176,7 @@ class TrainerConfig(ServiceConfig):
             "logprobs",
             "version",
             "reward",
-            "advantage",
+            "token_rewards" if self.value_head else "advantage",
             "valid",
             "gen_s",
             "gen_batch",
@@ -213,6 +227,20 @@ class TrainerConfig(ServiceConfig):
                     f"inference: {missing} must be in hybrid ring {ring.id!r} with the trainer (it publishes by "
                     "lending its model to the inference in its own process)"
                 )
+        rollouts = [g for g in recipe.groups if isinstance(g.config, RolloutConfig)]
+        for g in rollouts:
+            values = g.config.advantage == "gae" and g.config.values == "trainer"  # type: ignore[attr-defined]
+            if self.value_head and not values:
+                problems.append(
+                    f"value_head: {g.id} computes its advantages itself; with the trainer's value head set "
+                    f"{g.id}.advantage=gae and {g.id}.values=trainer"
+                )
+            if values and not self.value_head:
+                problems.append(
+                    f"value_head: {g.id}.values is 'trainer', so the trainer needs value_head=true"
+                )
+        if self.value_head and len(rollouts) != 1:
+            problems.append("value_head: the actor-critic takes GAE settings from exactly one rollout group")
         for g in recipe.groups:
             if isinstance(g.config, RolloutConfig) and (g.config.prompts_per_step, g.config.group_size) != (
                 self.prompts_per_step,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from meshrl import checkpoint as ckpt
 from meshrl import hybrid
+from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
@@ -31,6 +32,7 @@ from meshrl.dataplane import Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine, OptimConfig
 from meshrl.engines.packing import TrainBatch, pack
 from meshrl.roles import GATE, SAMPLES
+from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.teacher.config import teacher_columns
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.service import Service
@@ -73,8 +75,11 @@ class TrainerService(Service):
             self.engine = SimTrainEngine(cfg.sim)
         else:
             self.engine = FSDPEngine(
-                cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed
-            )
+                cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed,
+                head="lm+value" if cfg.value_head else "lm",
+            )  # fmt: skip
+        # the actor-critic computes GAE with the rollout's settings (the planner checked there is one)
+        self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)
         self.client = self.ctx.client()
         self.weights: WeightGroup | None = None
         self.stream: Generator[Batch, None, None] | None = None
@@ -172,7 +177,7 @@ class TrainerService(Service):
                 keep = summary["staleness"] <= cfg.max_staleness
             summary["dropped"] = ~keep
             if keep.any():
-                stats.append(self.train(batch, keep))
+                stats.append(self.train(batch, keep, summary))
             # rows are deleted once acked (retention); views into them end here: `summary` is a copy
             self.client.ack(batch, wait=False)
             rows.append(summary)
@@ -197,7 +202,7 @@ class TrainerService(Service):
             if self.finished(every=5.0):
                 raise RuntimeError("the run ended before the trainer received its next batch")
 
-    def train(self, batch: Batch, keep: torch.Tensor) -> dict[str, float]:
+    def train(self, batch: Batch, keep: torch.Tensor, summary: dict[str, torch.Tensor]) -> dict[str, float]:
         cfg = self.config
         if not bool(keep.all()):
             index = keep.nonzero().squeeze(-1).tolist()
@@ -207,7 +212,7 @@ class TrainerService(Service):
             batch.ragged("prompt"),
             batch.ragged("response"),
             batch.ragged("logprobs"),
-            batch["advantage"],
+            batch["token_rewards" if cfg.value_head else "advantage"],
             batch.tensor("valid"),
             ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
             stale=batch.tensor("version")[:, 0] < self.version,
@@ -216,11 +221,15 @@ class TrainerService(Service):
                 for name in (cfg.teachers if cfg.distills else ())
             },
         )
+        critic: dict[str, float] = {}
+        if cfg.value_head:
+            critic = self.actor_critic_advantages(packed)
+            summary["advantage"][keep] = _masked_row_means(packed.advantages, packed.mask)
         if cfg.distill_advantage > 0 or cfg.pg_coef != 1.0:
             packed.advantages = distilled_advantages(packed, cfg)
         if cfg.kl_target is not None:
             cfg = dataclasses.replace(cfg, kl_coef=self.kl.coef)
-        stats = self.engine.update_policy(packed, cfg)
+        stats = {**self.engine.update_policy(packed, cfg), **critic}
         if cfg.kl_target is not None:
             stats["kl_coef"] = cfg.kl_coef
             self.kl.update(stats["kl_ref"], int(keep.sum()) * self.world)
@@ -235,6 +244,39 @@ class TrainerService(Service):
         else:
             self.nan_streak = 0
         return stats
+
+    def actor_critic_advantages(self, packed: TrainBatch) -> dict[str, float]:
+        """The value head's values for `packed` (weights before this mini-batch's update: at window 1,
+        for the first mini-batch, those that generated it), then GAE over the per-token rewards in
+        `packed.advantages`; sets packed.values, .returns and .advantages (whitened over the whole
+        mini-batch, every rank's rows, when the rollout whitens). Returns the explained variance."""
+        cfg, gae_cfg = self.config, self.gae
+        assert isinstance(gae_cfg, RolloutConfig)
+        mask = packed.mask
+        values = self.engine.compute_values(packed, cfg.micro_batch)
+        advantage, returns = adv.gae(packed.advantages, values, mask, gamma=gae_cfg.gamma, lam=gae_cfg.lam)
+        r, v = returns[mask].double(), values[mask].double()
+        a = advantage[mask].double()
+        n, a_sum, a_sq, r_sum, r_sq, e_sum, e_sq = self.all_sum(
+            [len(r), a.sum(), (a**2).sum(), r.sum(), (r**2).sum(), (r - v).sum(), ((r - v) ** 2).sum()]
+        )
+        if gae_cfg.whiten and n > 1:
+            mean = a_sum / n
+            std = math.sqrt(max(a_sq / n - mean**2, 0.0))  # as adv.whiten, over every rank's tokens
+            advantage = torch.where(mask, (advantage - mean) / (std + 1e-8), 0.0)
+        packed.values, packed.returns, packed.advantages = values, returns, advantage
+        var = r_sq / max(n, 1) - (r_sum / max(n, 1)) ** 2
+        resid = e_sq / max(n, 1) - (e_sum / max(n, 1)) ** 2
+        return {
+            "explained_variance": 1.0 - resid / var if var > 1e-12 else 0.0,
+            "returns_mean": r_sum / max(n, 1),
+        }
+
+    def all_sum(self, values: list[float | torch.Tensor]) -> list[float]:
+        t = torch.tensor([float(x) for x in values], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
 
     def publish(self, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `self.version` and open the gate for it.
@@ -441,7 +483,7 @@ def summarize(batch: Batch, version: int) -> dict[str, torch.Tensor]:
     versions = batch.tensor("version")
     return {
         "reward": batch.tensor("reward").clone(),
-        "advantage": _row_means(batch["advantage"]),
+        "advantage": _row_means(batch["advantage"]) if "advantage" in batch else torch.zeros(len(batch)),
         "valid": batch.tensor("valid").bool().clone(),
         "length": batch.ragged("response").lengths.clone(),
         "gen_s": batch.tensor("gen_s").clone(),
@@ -460,6 +502,10 @@ def _row_means(value: torch.Tensor | Ragged) -> torch.Tensor:
         0, torch.repeat_interleave(torch.arange(len(value)), value.lengths), value.values.double()
     )
     return (sums / value.lengths.clamp_min(1)).float()
+
+
+def _masked_row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (torch.where(mask, x, 0.0).sum(1) / mask.sum(1).clamp_min(1)).float()
 
 
 def _pick(value: torch.Tensor | Ragged, index: list[int]) -> torch.Tensor | Ragged:

@@ -98,3 +98,59 @@ def test_ppo_resumes_actor_and_critic_from_a_checkpoint(tmp_path, arith_model):
     assert [(a["loss"], a["reward_mean"]) for a in resumed] == [(a["loss"], a["reward_mean"]) for a in actor]
     again = rows(tmp_path / "run" / "critic.jsonl")
     assert [c["value_loss"] for c in again] == [c["value_loss"] for c in critic]
+
+
+SHARED = str(REPO / "recipes" / "ppo_arith_shared.py")
+
+
+def test_actor_critic_trains_its_value_head_and_resumes_it_from_a_checkpoint(tmp_path, arith_model):
+    """The trainer's own value head: no critic service, values and GAE in the trainer, and the head is
+    part of the checkpoint (a resumed run repeats the value losses to the last bit) and of the final
+    model directory."""
+    common = [f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=6", "checkpoint_every=3",
+              "rollout.eval_every=0"]  # fmt: skip
+    r = run(tmp_path, *common, recipe=SHARED)
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = rows(tmp_path / "run" / "metrics.jsonl")
+    assert not (tmp_path / "run" / "critic.jsonl").exists()
+    assert (tmp_path / "run" / "final" / "value_head.safetensors").exists()
+    loss = [m["value_loss"] for m in actor]
+    assert loss[0] > 0 and actor[0]["values_mean"] == pytest.approx(0.0, abs=0.05)  # a fresh head: all 0
+    assert mean(loss[-2:]) < mean(loss[:2]), loss
+    assert all(-1 <= m["explained_variance"] <= 1 and "kl_ref" in m for m in actor)
+    r = run(tmp_path, "--resume", *common, recipe=SHARED)  # steps 3..5 again, from the checkpoint
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = rows(tmp_path / "run" / "metrics.jsonl")
+    key = lambda m: (m["loss"], m["value_loss"], m["reward_mean"])  # noqa: E731
+    assert [key(m) for m in resumed] == [key(m) for m in actor]
+
+
+@pytest.mark.slow
+def test_actor_critic_learns_a_reward_its_value_head_can_read(tmp_path, arith_model):
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=30",
+            "rollout.eval_every=0", EVEN, recipe=SHARED)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = rows(tmp_path / "run" / "metrics.jsonl")
+    first, last = mean([m["reward_mean"] for m in actor[:5]]), mean([m["reward_mean"] for m in actor[-5:]])
+    assert last >= first + 0.2, (first, last)
+    loss = [m["value_loss"] for m in actor]
+    assert mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
+    kl = [m["kl_ref"] for m in actor]
+    assert kl[0] < 0.05 and mean(kl[-5:]) > 2 * max(kl[0], 0.005), kl
+
+
+def test_two_trainer_ranks_shard_the_actor_critic(tmp_path, arith_model):
+    """FSDP2 over two gloo ranks: each claims half of every mini-batch, values and whitening are taken
+    over both halves, and the final model (policy + head) is gathered from the shards."""
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=3",
+            "checkpoint_every=2", "rollout.eval_every=0", "trainer.devices_per_replica=2", recipe=SHARED)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    actor = rows(tmp_path / "run" / "metrics.jsonl")
+    assert [m["samples"] for m in actor] == [128, 128, 128] and all(m["value_loss"] > 0 for m in actor)
+    assert (tmp_path / "run" / "logs" / "trainer-0-2.log").exists()  # the second rank's process
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final") is not None
+    head = load_file(tmp_path / "run" / "final" / "value_head.safetensors")
+    assert head["weight"].shape[0] == 1 and head["weight"].abs().sum() > 0  # trained away from zero

@@ -130,3 +130,41 @@ def test_checkpoint_round_trip_restores_model_optimizer_and_step(tiny_model, tmp
     for a, b in zip(params(fresh), params(again), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert fresh.optimizer.state_dict()["state"][0]["step"] == 2
+
+
+def test_actor_critic_learns_values_with_the_policy_and_publishes_only_the_policy(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.engines.fsdp import VALUE_HEAD_FILE
+
+    plain = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"))
+    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), head="lm+value")
+    # inference receives exactly the policy's tensors: the value head stays in the trainer
+    assert engine.manifest() == plain.manifest()
+    assert len(list(engine.get_weights())) == len(engine.manifest())
+    b = batch(12)
+    b.returns = torch.where(b.mask, (b.input_ids[:, :-1] % 2 == 0).float(), 0.0)
+    b.values = engine.compute_values(b, micro_batch=5)
+    assert b.values.shape == b.mask.shape and b.values.abs().max() == 0  # a fresh head starts at 0
+    cfg = Step(value_head=True, value_coef=1.0, value_clip=None)
+    first = engine.update_policy(b, cfg)
+    for _ in range(30):
+        b.values = engine.compute_values(b, micro_batch=5)
+        last = engine.update_policy(b, cfg)
+    assert last["value_loss"] < 0.2 * first["value_loss"], (first, last)
+    assert last["loss"] == pytest.approx(last["pg_loss"] + last["value_loss"], rel=1e-6)
+    values = engine.compute_values(b, micro_batch=12)[b.mask]
+    returns = b.returns[b.mask]
+    assert (values[returns == 1].mean() - values[returns == 0].mean()).item() > 0.5
+    # the training forward and the values-only forward (one position of logits) agree
+    _, _, _, trained = engine._policy_forward(b, 1.0)
+    assert trained is not None
+    torch.testing.assert_close(trained[b.mask].detach(), values, rtol=1e-5, atol=1e-5)
+    # saved: an HF causal LM that loads on its own, plus the head, which a new engine picks up
+    engine.save_pretrained(str(tmp_path / "final"))
+    assert (tmp_path / "final" / VALUE_HEAD_FILE).exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "final") is not None
+    again = FSDPEngine(
+        str(tmp_path / "final"), OptimConfig(lr=1e-3), device=torch.device("cpu"), head="lm+value"
+    )
+    torch.testing.assert_close(again.compute_values(b, micro_batch=4)[b.mask], values, rtol=1e-5, atol=1e-5)
