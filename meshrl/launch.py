@@ -48,6 +48,7 @@ class Launcher:
         self.children: list[Child] = []
         self.plane: list[Child] = []
         self.stopping = False
+        self.rejoined: dict[str, int] = {}  # in-place restarts per group
 
     # ---------------------------------------------------------------------------------------------------
     # collectives among launchers (gloo)
@@ -75,7 +76,7 @@ class Launcher:
     def run(self) -> int:
         if self.world > 1:
             dist.init_process_group("gloo", timeout=timedelta(days=7))
-        recipe = load_recipe(self.recipe_path, self.overrides)
+        recipe = self.recipe = load_recipe(self.recipe_path, self.overrides)
         me = Device(self.rank, host_id(), self.local_rank)
         gathered: list[Any] = self.gather_json([me.rank, me.host, me.local_rank, _my_address()])
         devices = [Device(int(r), str(h), int(lr)) for r, h, lr, _ in gathered]
@@ -231,6 +232,9 @@ class Launcher:
             )
             child.start()
             self.children.append(child)
+        self._write_pids()
+
+    def _write_pids(self) -> None:
         pids = {c.name: c.pid for c in [*self.plane, *self.children]}
         (self.run_dir / f"pids-{self.rank}.json").write_text(json.dumps(pids) + "\n")
 
@@ -244,6 +248,8 @@ class Launcher:
                 code = c.poll()
                 if code is None:
                     continue
+                if code != 0 and self._rejoin(c):
+                    continue
                 running.remove(c)
                 if code != 0:
                     if progress is not None:
@@ -254,6 +260,31 @@ class Launcher:
             progress.update()
             progress.close()
         return 0
+
+    def _rejoin(self, child: Child) -> bool:
+        """Restart a failed process on its own, if its service re-joins a running run and its group's
+        policy allows another restart; the rows it had claimed came back when its connection closed."""
+        group = self.groups.get(child.name)
+        if group is None:
+            return False
+        g = self.recipe.group(group)
+        policy, done = g.restart, self.rejoined.get(group, 0)
+        in_ring = any(m.group == group for r in self.recipe.rings for m in r.members)
+        if not g.config.rejoins or in_ring or policy.mode != "on-failure" or done >= policy.max_restarts:
+            return False
+        self.rejoined[group] = done + 1
+        delay = policy.backoff_s * 2**done
+        print(f"[meshrl] {child.name} failed (exit code {child.poll()}); restarting it alone in {delay:.0f}s "
+              f"({done + 1}/{policy.max_restarts}); last lines of {child.log_path}:\n{_indent(child.tail(10))}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        with open(self.run_dir / "restarts.jsonl", "a") as f:
+            f.write(json.dumps({"time": time.time(), "service": child.name, "group": group, "in_place": True,
+                                "code": child.poll()}) + "\n")  # fmt: skip
+        time.sleep(delay)
+        child.stop()  # closes the old log handle
+        child.start()
+        self._write_pids()
+        return True
 
     def _fail(self, child: Child, controller: str, secret: str | None) -> int:
         code = child.poll()

@@ -46,6 +46,10 @@ class ServiceConfig:
     service: ClassVar[str] = ""  # "package.module:Class" of the Service subclass
     stateful: ClassVar[bool] = False
     """Takes part in checkpoints (saves its own state when the trainer asks; see meshrl/checkpoint.py)."""
+    rejoins: ClassVar[bool] = False
+    """A replica restarted on its own re-joins the running run: it keeps no state of the run and takes
+    no weight updates (a frozen scorer). Under an on-failure policy its launcher restarts just that
+    process, outside colocation rings; any other failure restarts the whole run from a checkpoint."""
 
     def reads(self) -> Columns:
         """Columns this service consumes, per partition."""
@@ -94,7 +98,8 @@ class ColocationRing:
 @dataclass(frozen=True, kw_only=True)
 class RestartPolicy:
     mode: str = "never"
-    """"never": a failure stops the run. "on-failure": restart the replica (up to max_restarts)."""
+    """"never": a failure stops the run. "on-failure": restart (up to max_restarts): the one process
+    when its service re-joins (`ServiceConfig.rejoins`), else the whole run from its latest checkpoint."""
     max_restarts: int = 3
     backoff_s: float = 2.0
     """Seconds before the first restart; doubles each time."""

@@ -71,7 +71,7 @@ class Controller:
         ledger: Ledger | None = None,
     ) -> None:
         self.ctx = zmq.Context()  # only for talking to storage servers
-        self.server = RpcServer(endpoint, secret, self._dispatch)
+        self.server = RpcServer(endpoint, secret, self._dispatch, on_close=self._closed)
         self.endpoint = self.server.endpoint
         self.secret = secret
         self.shm_dir = shm_dir
@@ -83,6 +83,9 @@ class Controller:
         self.clients: dict[str, ClientInfo] = {}
         self.storages: dict[str, str] = {}
         self._storage_socks: dict[str, zmq.Socket] = {}
+        # claims by the connection that made them: a connection that ends (its process died, or closed
+        # its client) gives its unacknowledged rows back at once instead of when their leases run out
+        self.claims_of: dict[Connection, set[tuple[str, str, int]]] = {}
         self.parked_claims: dict[str, deque[Parked]] = {}
         self.parked_puts: dict[str, deque[Parked]] = {}
         # deadlines of leases and parked requests: (when, sequence, what); stale entries are skipped
@@ -341,7 +344,7 @@ class Controller:
             raise P.ProtocolError(f"claim of n={msg.n} rows can never hold a group of {msg.group_size}")
         _positive(msg.lease, "lease")
         c = part.consumer(msg.consumer, msg.columns, msg.group_size)
-        reply = self._try_claim(part, c, msg)
+        reply = self._try_claim(conn, part, c, msg)
         if reply is not None:
             return reply
         if msg.timeout > 0:
@@ -349,7 +352,7 @@ class Controller:
             return None
         return _empty_claim()
 
-    def _try_claim(self, part: Partition, c: Consumer, msg: P.Claim) -> P.ClaimReply | None:
+    def _try_claim(self, conn: Connection, part: Partition, c: Consumer, msg: P.Claim) -> P.ClaimReply | None:
         need = msg.min_n
         if c.group_size is not None:
             need = -(-need // c.group_size) * c.group_size
@@ -361,7 +364,27 @@ class Controller:
             return None
         self.next_claim += 1
         self._at(c.leases[claim_id].deadline, (part.name, c.name, claim_id))
+        mine = self.claims_of.setdefault(conn, set())
+        if len(mine) >= 1024:  # forget the finished ones
+            mine -= {k for k in mine if not self._has_lease(*k)}
+        mine.add((part.name, c.name, claim_id))
         return self._claim_reply(part, c, claim_id, chunk.ids, chunk.slots)
+
+    def _has_lease(self, pname: str, cname: str, claim_id: int) -> bool:
+        part = self.partitions.get(pname)
+        c = part.consumers.get(cname) if part is not None else None
+        return c is not None and claim_id in c.leases
+
+    def _closed(self, conn: Connection) -> None:
+        """A client connection ended: its claims that are still open go back to the pool now."""
+        for pname, cname, claim_id in sorted(self.claims_of.pop(conn, ())):
+            if not self._has_lease(pname, cname, claim_id):
+                continue  # acknowledged or released
+            part = self.partitions[pname]
+            back = part.expire(part.consumers[cname], claim_id)
+            log.info("claim %d (%s/%s) of a closed connection (%s): %d rows back in the pool", claim_id, pname,
+                     cname, conn.peer, back)  # fmt: skip
+            self._serve_claims(part)
 
     def _claim_reply(
         self, part: Partition, c: Consumer, claim_id: int, ids: np.ndarray, slots: np.ndarray
@@ -477,7 +500,7 @@ class Controller:
                 p.done = True
                 continue
             c = part.consumers[p.msg.consumer]
-            reply = self._try_claim(part, c, p.msg)
+            reply = self._try_claim(p.conn, part, c, p.msg)
             if reply is None:
                 keep.append(p)
             else:

@@ -88,11 +88,20 @@ Handler = Callable[[Connection, bytes, bytes], None]
 class RpcServer:
     """A single-threaded, non-blocking frame server. `handler(conn, rid, body)` answers via `send`."""
 
-    def __init__(self, endpoint: str, secret: str | None, handler: Handler) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        secret: str | None,
+        handler: Handler,
+        on_close: Callable[[Connection], None] | None = None,
+    ) -> None:
+        """`on_close(conn)` runs when a connection ends other than by `shutdown` (the peer closed it, or
+        died: the kernel closes a killed process's sockets)."""
         check_bind(endpoint, secret)
         family, addr = _address(endpoint)
         self.secret = secret
         self.handler = handler
+        self.on_close = on_close
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         if isinstance(addr, str):
             if os.path.exists(addr):
@@ -219,7 +228,7 @@ class RpcServer:
             conn.wbuf.popleft()
         self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
 
-    def close(self, conn: Connection) -> None:
+    def close(self, conn: Connection, *, notify: bool = True) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -227,10 +236,12 @@ class RpcServer:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
         conn.sock.close()
+        if notify and self.on_close is not None:
+            self.on_close(conn)
 
     def shutdown(self) -> None:
         for conn in list(self.conns):
-            self.close(conn)
+            self.close(conn, notify=False)
         self.sel.close()
         self.listener.close()
 

@@ -8,13 +8,14 @@ trainer, whose claim lists that column, only ever sees rows that have it; nothin
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrl.dataplane import Batch, Ragged
+from meshrl.dataplane import Batch, DataPlaneError, Ragged
 from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
 from meshrl.service import Service
@@ -22,11 +23,13 @@ from meshrl.service import Service
 if TYPE_CHECKING:
     from meshrl.recipe import Recipe, ServiceGroup
 
-LEASE_S = 300.0  # a replica that dies gives its claimed rows back after this long
+LEASE_S = 300.0  # a replica that hangs gives its claimed rows back after this long (one that dies: at once)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScorerConfig(ServiceConfig):
+    rejoins = True  # frozen: a restarted replica just claims rows again
+
     model: str
     """Local path of the frozen model."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -126,12 +129,30 @@ class ScorerService(Service):
                     continue
                 with torch.no_grad(), self.device_turn():
                     columns = self.score(batch)
-                self.client.put(SAMPLES, columns, ids=batch.ids)
+                self.write(batch, columns)
                 self.client.ack(batch)
                 self.scored += len(batch)
                 self.ctx.health.info["scored"] = self.scored
         finally:
             stream.close()
+
+    def write(self, batch: Batch, columns: dict[str, Any]) -> None:
+        """Put this batch's columns. Rows whose columns are already there were written by an earlier
+        process of this replica that died before its ack; they keep what it wrote (the same: frozen)."""
+        try:
+            self.client.put(SAMPLES, columns, ids=batch.ids)
+        except DataPlaneError as e:
+            if e.code != "conflict":
+                raise
+            written = 0
+            for k in range(len(batch)):
+                with contextlib.suppress(DataPlaneError):
+                    self.client.put(
+                        SAMPLES, {c: _row(v, k) for c, v in columns.items()}, ids=batch.ids[k : k + 1]
+                    )
+                    written += 1
+            self.log.info("%d of %d rows were already scored (by a process before this one)", len(batch) - written,
+                          len(batch))  # fmt: skip
 
     def offload(self) -> None:
         from meshrl.offload import HostStore
@@ -146,3 +167,10 @@ class ScorerService(Service):
         if hasattr(self, "client"):
             self.client.close()
         super().close()
+
+
+def _row(value: Any, k: int) -> Any:
+    """Row k of a column as `put` takes it (a Ragged, a list of per-row tensors, or a tensor)."""
+    if isinstance(value, Ragged):
+        return Ragged.from_list([value[k]], dtype=value.values.dtype)
+    return value[k : k + 1]

@@ -51,7 +51,7 @@ def test_exactly_once_across_concurrent_consumers_and_independent_names(plane):
         assert {s.name: s.acked for s in st.consumers} == {"trainer": 1200, "critic": 1200}
 
 
-def test_lease_returns_rows_of_a_killed_consumer(plane):
+def test_lease_returns_rows_of_a_consumer_that_hangs(plane):
     with Client(plane.controller) as c:
         c.create_partition("rows", 64)
         ids = c.put("rows", {"x": torch.arange(10)})
@@ -59,16 +59,37 @@ def test_lease_returns_rows_of_a_killed_consumer(plane):
         line = hung.stdout.readline()  # type: ignore[union-attr]
         claimed = json.loads(line)["claimed"]
         assert claimed == ids[:6].tolist()
-        os.kill(hung.pid, signal.SIGKILL)
-        hung.wait()
+        os.kill(hung.pid, signal.SIGSTOP)  # alive, connection open, doing nothing
+        try:
+            first = c.claim("rows", "trainer", ["x"], 10)
+            assert first.ids.tolist() == ids[6:].tolist(), "leased rows must not be handed out twice"
+            c.ack(first)
+            t0 = time.monotonic()
+            back = c.claim("rows", "trainer", ["x"], 10, timeout=10)
+            assert back.ids.tolist() == claimed, "rows of the hung consumer must come back after its lease"
+            assert 0.5 < time.monotonic() - t0 < 5
+            assert torch.equal(back["x"], torch.arange(6))  # type: ignore[arg-type]
+        finally:
+            os.kill(hung.pid, signal.SIGKILL)
+            hung.wait()
+
+
+def test_rows_of_a_killed_consumer_come_back_at_once(plane):
+    with Client(plane.controller) as c:
+        c.create_partition("rows", 64)
+        ids = c.put("rows", {"x": torch.arange(10)})
+        hung = worker("claim_and_hang", plane.controller, "rows", "trainer", "6", "600")
+        claimed = json.loads(hung.stdout.readline())["claimed"]  # type: ignore[union-attr]
         first = c.claim("rows", "trainer", ["x"], 10)
-        assert first.ids.tolist() == ids[6:].tolist(), "leased rows must not be handed out twice"
+        assert first.ids.tolist() == ids[6:].tolist()
         c.ack(first)
         t0 = time.monotonic()
+        os.kill(hung.pid, signal.SIGKILL)  # the kernel closes its connection: no need to wait 600 s
+        hung.wait()
         back = c.claim("rows", "trainer", ["x"], 10, timeout=10)
-        assert back.ids.tolist() == claimed, "rows of the dead consumer must come back after its lease"
-        assert 0.5 < time.monotonic() - t0 < 5
-        assert torch.equal(back["x"], torch.arange(6))  # type: ignore[arg-type]
+        assert back.ids.tolist() == claimed and time.monotonic() - t0 < 2
+        c.ack(back)
+        assert c.status().partitions[0].consumers[0].acked == 10
 
 
 def test_ack_after_lease_expiry_is_refused(plane):

@@ -23,10 +23,10 @@ STEPS = 8
 ON_FAILURE = [f"{g}.restart.mode=on-failure" for g in ("trainer", "rollout", "inference")]
 
 
-def start(tmp_path: Path, *overrides: str) -> subprocess.Popen[str]:
+def start(tmp_path: Path, *overrides: str, recipe: str = RECIPE) -> subprocess.Popen[str]:
     log = open(tmp_path / "run.log", "w")  # noqa: SIM115 (a file, not a pipe nobody drains while it runs)
     return subprocess.Popen(
-        [sys.executable, "-m", "meshrl.cli", "run", RECIPE, f"base_port={free_base_port()}", *overrides],
+        [sys.executable, "-m", "meshrl.cli", "run", recipe, f"base_port={free_base_port()}", *overrides],
         cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
 
@@ -72,6 +72,32 @@ def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_mo
         expected = rows(tmp_path / "reference" / "metrics.jsonl")
         assert [m["loss"] for m in metrics] == [m["loss"] for m in expected]
         assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in expected]
+
+
+def test_a_killed_reference_restarts_alone_and_the_run_goes_on(tmp_path, arith_model):
+    """A frozen scorer re-joins the running run: only its process restarts (no checkpoint, no step
+    repeated), and the rows it had claimed come back when its connection closes, not after its lease."""
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path, f"*.model={arith_model}", f"total_steps={STEPS}", "rollout.eval_every=0",
+                 "reference.restart.mode=on-failure", "reference.restart.backoff_s=0.5", f"run_dir={run_dir}",
+                 recipe=str(REPO / "recipes" / "grpo_arith_kl.py"))  # fmt: skip
+    deadline = time.monotonic() + 300
+    while steps_done(run_dir) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.05)
+    kill(run_dir, "reference")
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    metrics = rows(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert max(m["time/step_s"] for m in metrics) < 60  # the claimed rows' lease is 300 s
+    (restart,) = rows(run_dir / "restarts.jsonl")
+    assert restart["in_place"] and restart["group"] == "reference", restart
+    logs = run_dir / "logs"
+    assert (logs / f"{restart['service']}.log").read_text().count("==== start") == 2
+    assert (logs / "trainer-0-1.log").read_text().count("==== start") == 1
+    tally = account(run_dir / "ledger.jsonl")
+    assert (tally.consumed, tally.pending, tally.duplicated, tally.unknown) == (STEPS * 128, 0, 0, 0), tally
 
 
 def test_a_port_in_use_names_the_service_and_the_port(tmp_path, arith_model):
