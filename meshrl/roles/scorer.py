@@ -8,14 +8,13 @@ trainer, whose claim lists that column, only ever sees rows that have it; nothin
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrl.dataplane import Batch, DataPlaneError, Ragged
+from meshrl.dataplane import Batch, Client, DataPlaneError, Ragged
 from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
 from meshrl.service import Service
@@ -137,22 +136,11 @@ class ScorerService(Service):
             stream.close()
 
     def write(self, batch: Batch, columns: dict[str, Any]) -> None:
-        """Put this batch's columns. Rows whose columns are already there were written by an earlier
-        process of this replica that died before its ack; they keep what it wrote (the same: frozen)."""
-        try:
-            self.client.put(SAMPLES, columns, ids=batch.ids)
-        except DataPlaneError as e:
-            if e.code != "conflict":
-                raise
-            written = 0
-            for k in range(len(batch)):
-                with contextlib.suppress(DataPlaneError):
-                    self.client.put(
-                        SAMPLES, {c: _row(v, k) for c, v in columns.items()}, ids=batch.ids[k : k + 1]
-                    )
-                    written += 1
-            self.log.info("%d of %d rows were already scored (by a process before this one)", len(batch) - written,
-                          len(batch))  # fmt: skip
+        kept = put_missing(self.client, SAMPLES, columns, batch.ids)
+        if kept:
+            self.log.info(
+                "%d of %d rows were already scored (by a process before this one)", kept, len(batch)
+            )
 
     def offload(self) -> None:
         from meshrl.offload import HostStore
@@ -167,6 +155,27 @@ class ScorerService(Service):
         if hasattr(self, "client"):
             self.client.close()
         super().close()
+
+
+def put_missing(client: Client, partition: str, columns: dict[str, Any], ids: Any) -> int:
+    """Put `columns` into rows `ids`, keeping any row that already has them: one an earlier process of
+    the same replica wrote before it died unacknowledged (a frozen model writes the same values).
+    Returns how many rows were kept as they were."""
+    try:
+        client.put(partition, columns, ids=ids)
+        return 0
+    except DataPlaneError as e:
+        if e.code != "conflict":
+            raise
+    kept = 0
+    for k in range(len(ids)):  # rare (after a crash): row by row, the written ones refuse
+        try:
+            client.put(partition, {c: _row(v, k) for c, v in columns.items()}, ids=ids[k : k + 1])
+        except DataPlaneError as e:
+            if e.code != "conflict":
+                raise
+            kept += 1
+    return kept
 
 
 def _row(value: Any, k: int) -> Any:

@@ -106,3 +106,24 @@ def test_teacher_with_another_vocabulary_fails_at_start_up(tiny_model, tmp_path)
         plan(recipe, [Device(i, "localhost", i) for i in range(3)])
     ok = load_recipe(REPO / "recipes" / "opd_arith.py", [f"*.model={tiny_model}"])
     assert plan(ok, [Device(i, "localhost", i) for i in range(3)]).replicas
+
+
+def test_a_restarted_scorer_keeps_rows_its_predecessor_wrote(plane):
+    from meshrl.dataplane import Client
+    from meshrl.roles.scorer import put_missing
+
+    with Client(plane.controller) as c:
+        c.create_partition("rows", 16)
+        ids = c.put("rows", {"x": torch.arange(4)})
+        first = [torch.full((k + 1,), float(k)) for k in range(4)]
+        c.put("rows", {"lp": first[1:3], "score": torch.tensor([1.0, 2.0])}, ids=ids[1:3])  # then it died
+        again = [torch.full((k + 1,), 10.0 + k) for k in range(4)]
+        assert (
+            put_missing(c, "rows", {"lp": Ragged.from_list(again), "score": torch.arange(4.0) + 10}, ids) == 2
+        )
+        got = c.claim("rows", "trainer", ["lp", "score"], 4)
+        assert got.ids.tolist() == ids.tolist()
+        assert [float(row[0]) for row in got.ragged("lp")] == [10.0, 1.0, 2.0, 13.0]
+        assert got.tensor("score").tolist() == [10.0, 1.0, 2.0, 13.0]
+        c.ack(got)
+        assert put_missing(c, "rows", {"y": torch.arange(4)}, ids) == 0  # nothing there yet: one put
