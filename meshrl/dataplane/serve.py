@@ -78,12 +78,16 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(json.dumps(ready) + "\n")
         tmp.replace(args.ready_file)
     logging.getLogger("meshrl.queue").info("serving %s", ready)
-    done.wait()
+    while not done.wait(0.5):  # a timed wait: the signal handler runs within half a second, always
+        pass
     for s in reversed(servers):  # storage first: it unlinks segments while the controller still answers
         s.stop()
     for t in threading.enumerate():
         if t.name in ("controller", "storage"):
             t.join(timeout=5)
+    for s in servers:  # done by the storage thread unless it is stuck; nothing may stay in /dev/shm
+        if isinstance(s, Storage):
+            s.unlink_segments()
     if ledger is not None:  # written by the controller's close; again in case its thread is stuck
         ledger.flush()
     # Leave without interpreter teardown: ZMQ's exit hooks can wait on a context that a server thread

@@ -101,11 +101,15 @@ class Storage:
     def stop(self) -> None:
         self._stop.set()
 
-    def close(self) -> None:
-        prefix = f"meshrl-{self.run}-"
-        for f in Path(self.shm_dir).glob(prefix + "*"):
+    def unlink_segments(self) -> None:
+        """Remove this run's segments from shared memory (idempotent; also called by `serve` on exit in
+        case this server's thread is stuck)."""
+        for f in Path(self.shm_dir).glob(f"meshrl-{self.run}-*"):
             with contextlib.suppress(FileNotFoundError):
                 f.unlink()
+
+    def close(self) -> None:
+        self.unlink_segments()
         self.sock.close(0)
         if self._auth is not None:
             self._auth.stop()  # type: ignore[attr-defined]
