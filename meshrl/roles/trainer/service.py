@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from meshrl import checkpoint as ckpt
 from meshrl import hybrid
@@ -322,10 +323,27 @@ class TrainerService(Service):
     # checkpoints (the protocol is described in meshrl/checkpoint.py)
 
     def checkpoint(self, step: int) -> None:
-        """Steps 0..step-1 are done and version `step` is published: save the whole run."""
+        """Steps 0..step-1 are done and version `step` is published: save the whole run. A failure
+        (typically a full disk) removes the partial directory and stops with the cause; the checkpoint
+        before stays whole."""
+        tmp = ckpt.tmp_dir(self.ctx.run_dir, step)
+        try:
+            self._checkpoint(step, tmp)
+        except (OSError, RuntimeError, CheckpointException) as e:
+            if self.rank != 0:
+                raise
+            free = shutil.disk_usage(tmp.parent).free / 2**20 if tmp.parent.exists() else float("nan")
+            shutil.rmtree(tmp, ignore_errors=True)
+            before = ckpt.latest(self.ctx.run_dir)
+            raise RuntimeError(
+                f"checkpoint {step} could not be written to {tmp.parent} ({free:.1f} MB free there: a full disk "
+                f"fails like this): {str(e).strip().splitlines()[-1]}. The checkpoint before, {before.name if before else '(none)'}, is "
+                "intact: free some space and continue with `meshrl run RECIPE --resume`"
+            ) from e
+
+    def _checkpoint(self, step: int, tmp: Path) -> None:
         t0 = time.perf_counter()
         run_dir = self.ctx.run_dir
-        tmp = ckpt.tmp_dir(run_dir, step)
         if self.rank == 0:
             if self.publishing is not None:
                 self.publishing.result()  # the gate of this version is in the data plane
