@@ -119,7 +119,8 @@ def memory_worker(kind: str, out: str) -> None:
     tmp = Path(out).parent
     model = str(build_tiny_model(tmp / f"model-{kind}"))
     if kind == "trainer":
-        from meshrl.engines.fsdp import FSDPEngine, OptimConfig
+        from meshrl.engines.fsdp import FSDPEngine
+        from meshrl.engines.optim import OptimConfig
         from meshrl.engines.packing import pack
         from meshrl.roles.trainer.config import TrainerConfig
 

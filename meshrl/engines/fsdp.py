@@ -19,7 +19,6 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,35 +37,12 @@ from meshrl.algorithms.losses import (
     value_loss,
 )
 from meshrl.dataplane.batch import DTYPE_NAMES
+from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import TrainBatch
 
 HEADS = ("lm", "value", "lm+value")
 VALUE_HEAD_FILE = "value_head.safetensors"
 """The actor-critic's value head, saved next to the policy's HF checkpoint (which loads without it)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    lr: float
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int = 1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-
-
-def lr_factor(step: int, cfg: OptimConfig) -> float:
-    """Multiplier of the base learning rate at optimizer step `step` (0-based)."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    if cfg.schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0
 
 
 class FSDPEngine:

@@ -25,7 +25,8 @@ import torch
 
 from meshrl import checkpoint as ckpt
 from meshrl.dataplane import AsyncClient, Batch, Ragged
-from meshrl.engines.fsdp import FSDPEngine, OptimConfig
+from meshrl.engines.fsdp import FSDPEngine
+from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import pack
 from meshrl.roles import SAMPLES
 from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig

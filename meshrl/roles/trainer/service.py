@@ -30,7 +30,8 @@ from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
 from meshrl.dataplane import Batch, Ragged
-from meshrl.engines.fsdp import FSDPEngine, OptimConfig
+from meshrl.engines.fsdp import FSDPEngine
+from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch, pack
 from meshrl.roles import GATE, SAMPLES
 from meshrl.roles.rollout.config import RolloutConfig

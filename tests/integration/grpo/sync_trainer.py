@@ -11,7 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from meshrl.engines.fsdp import FSDPEngine, OptimConfig
+from meshrl.engines.fsdp import FSDPEngine
+from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import pack
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.weights import WeightGroup

@@ -35,7 +35,8 @@ def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_mo
 
 def check_versions(engine, arith_model) -> None:
     from meshrl.engines.base import SamplingParams
-    from meshrl.engines.fsdp import FSDPEngine, OptimConfig
+    from meshrl.engines.fsdp import FSDPEngine
+    from meshrl.engines.optim import OptimConfig
     from meshrl.engines.packing import pack
     from meshrl.roles.trainer.config import TrainerConfig
 

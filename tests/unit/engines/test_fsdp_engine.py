@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from meshrl.engines.fsdp import FSDPEngine, OptimConfig, lr_factor
+from meshrl.engines.fsdp import FSDPEngine
+from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import pack
 from meshrl.roles.trainer.config import TrainerConfig
 
