@@ -251,7 +251,8 @@ class TrainerService(Service):
         """The value head's values for `packed` (weights before this mini-batch's update: at window 1,
         for the first mini-batch, those that generated it), then GAE over the per-token rewards in
         `packed.advantages`; sets packed.values, .returns and .advantages (whitened over the whole
-        mini-batch, every rank's rows, when the rollout whitens). Returns the explained variance."""
+        mini-batch, every rank's rows, when the rollout whitens). Returns the explained variance of
+        the returns by the values, and the returns' mean."""
         cfg, gae_cfg = self.config, self.gae
         assert isinstance(gae_cfg, RolloutConfig)
         mask = packed.mask
@@ -336,10 +337,11 @@ class TrainerService(Service):
             free = shutil.disk_usage(tmp.parent).free / 2**20 if tmp.parent.exists() else float("nan")
             shutil.rmtree(tmp, ignore_errors=True)
             before = ckpt.latest(self.ctx.run_dir)
+            cause = str(e).strip().splitlines()[-1]  # the last line: a failed DCP save lists every rank's
             raise RuntimeError(
-                f"checkpoint {step} could not be written to {tmp.parent} ({free:.1f} MB free there: a full disk "
-                f"fails like this): {str(e).strip().splitlines()[-1]}. The checkpoint before, {before.name if before else '(none)'}, is "
-                "intact: free some space and continue with `meshrl run RECIPE --resume`"
+                f"checkpoint {step} could not be written to {tmp.parent} ({free:.1f} MB free there: a full "
+                f"disk fails like this): {cause}. The checkpoint before, {before.name if before else '(none)'}, "
+                "is intact: free some space and continue with `meshrl run RECIPE --resume`"
             ) from e
 
     def _checkpoint(self, step: int, tmp: Path) -> None:
