@@ -22,7 +22,9 @@ metrics.jsonl. Steady state excludes the first `--warmup` steps.
   optimizer steps (queue traffic, weight sync, waiting, bookkeeping);
 - teacher_agreement_first10 / _last10 (recipes with a teacher): share of response tokens where the
   student's most likely token is the teacher's, first and last 10 steps; teacher_kl_first10 / _last10
-  the forward KL from the teacher's top-k.
+  the forward KL from the teacher's top-k;
+- value_loss_first10 / _last10 (a critic service or a trainer value head), explained_variance_first10 /
+  _last10 (value head).
 """
 
 from __future__ import annotations
@@ -129,13 +131,11 @@ def run(
     step_s = sum(m["time/step_s"] for m in steady)
     compute = sum(m["time/generate_s"] + m["time/forward_backward_s"] + m["time/optimizer_s"] for m in steady)
     samples = sum(m["samples_per_s"] * m["time/step_s"] for m in steady)
-    rewards = [m["reward_mean"] for m in metrics]
     return {
         "samples_per_s": round(samples / step_s, 1),
         "median_step_s": round(statistics.median(m["time/step_s"] for m in steady), 4),
         "startup_s": float(ready.group(1)) if ready else None,
-        "reward_first10": round(sum(rewards[:10]) / len(rewards[:10]), 4),
-        "reward_last10": round(sum(rewards[-10:]) / len(rewards[-10:]), 4),
+        **first_last(metrics, "reward_mean", "reward"),
         "peak_rss_mb": round(watch.peak_rss / 2**20, 1),
         "peak_pss_mb": round(watch.peak_pss / 2**20, 1),
         "overhead_fraction": round(max(0.0, 1.0 - compute / step_s), 4),
@@ -162,11 +162,18 @@ def critic_figures(run_dir: Path, warmup: int) -> dict[str, object]:
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line]
     busy = [r["time/forward_backward_s"] + r["time/optimizer_s"] for r in rows[warmup:]]
-    loss = [r["value_loss"] for r in rows]
     return {
         "critic_busy_s": round(statistics.median(busy), 4) if busy else None,
-        "value_loss_first10": round(sum(loss[:10]) / len(loss[:10]), 4),
-        "value_loss_last10": round(sum(loss[-10:]) / len(loss[-10:]), 4),
+        **first_last(rows, "value_loss"),
+    }
+
+
+def first_last(rows: list[dict], key: str, name: str | None = None) -> dict[str, float]:
+    """`<name>_first10` and `<name>_last10`: the mean of `key` over the first and the last 10 rows."""
+    values = [r[key] for r in rows]
+    return {
+        f"{name or key}_first10": round(sum(values[:10]) / len(values[:10]), 4),
+        f"{name or key}_last10": round(sum(values[-10:]) / len(values[-10:]), 4),
     }
 
 
@@ -174,24 +181,14 @@ def value_head_figures(metrics: list[dict]) -> dict[str, object]:
     """For recipes whose trainer has a value head: value loss and explained variance, first and last 10."""
     if "value_loss" not in metrics[0]:
         return {}
-    out: dict[str, object] = {}
-    for key in ("value_loss", "explained_variance"):
-        values = [m[key] for m in metrics]
-        out[f"{key}_first10"] = round(sum(values[:10]) / len(values[:10]), 4)
-        out[f"{key}_last10"] = round(sum(values[-10:]) / len(values[-10:]), 4)
-    return out
+    return {**first_last(metrics, "value_loss"), **first_last(metrics, "explained_variance")}
 
 
 def teacher_figures(metrics: list[dict]) -> dict[str, object]:
     """For recipes with a teacher: the student's agreement with it and KL to it, first and last 10."""
     if "teacher_agreement" not in metrics[0]:
         return {}
-    out: dict[str, object] = {}
-    for key in ("agreement", "kl"):
-        values = [m[f"teacher_{key}"] for m in metrics]
-        out[f"teacher_{key}_first10"] = round(sum(values[:10]) / len(values[:10]), 4)
-        out[f"teacher_{key}_last10"] = round(sum(values[-10:]) / len(values[-10:]), 4)
-    return out
+    return {**first_last(metrics, "teacher_agreement"), **first_last(metrics, "teacher_kl")}
 
 
 def main() -> None:

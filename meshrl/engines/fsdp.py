@@ -121,7 +121,8 @@ class FSDPEngine:
             g["lr"] = lr
         return lr
 
-    def _all_sum(self, values: list[float]) -> list[float]:
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Sums over the trainer's ranks (on the engine's device, as NCCL needs)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
             dist.all_reduce(t)
@@ -183,7 +184,7 @@ class FSDPEngine:
         """One optimizer step on `batch`, accumulating gradients over micro-batches."""
         t0 = time.perf_counter()
         tokens, rows = float(batch.mask.sum()), float((batch.mask.sum(1) > 0).sum())
-        g_tokens, g_rows, g_n = self._all_sum([tokens, rows, float(len(batch))])
+        g_tokens, g_rows, g_n = self.all_sum([tokens, rows, float(len(batch))])
         normalizer = g_tokens if cfg.loss_agg == "token-mean" else g_n
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
         n_chunks = int(self._max([len(chunks)]))
@@ -255,7 +256,7 @@ class FSDPEngine:
             ratio_max = max(ratio_max, out.metrics.get("ratio_max", 0.0))
             is_max = max(is_max, out.metrics.get("is_weight_max", 0.0))
         t1 = time.perf_counter()
-        reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
+        reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
         total = (reduced["pg_loss"] + reduced["kl_ref"] + reduced.get("distill_loss", 0.0)
                  + reduced.get("value_loss", 0.0))  # fmt: skip
         step = self._step(loss_finite=math.isfinite(total))
@@ -314,7 +315,7 @@ class FSDPEngine:
         results = []
         for _ in range(cfg.epochs):
             t0 = time.perf_counter()
-            (g_tokens,) = self._all_sum([float(batch.mask.sum())])
+            (g_tokens,) = self.all_sum([float(batch.mask.sum())])
             n_chunks = int(self._max([len(chunks)]))
             sums = {"value_loss": 0.0, "value_clip_fraction": 0.0, "values_mean": 0.0}
             for k in range(n_chunks):
@@ -333,7 +334,7 @@ class FSDPEngine:
                 sums["value_loss"] += float(loss.detach())
                 sums["value_clip_fraction"] += metrics["value_clip_fraction"] * weight
                 sums["values_mean"] += float(torch.where(mask, v.detach(), 0.0).sum()) / max(g_tokens, 1.0)
-            reduced = dict(zip(sums, self._all_sum(list(sums.values())), strict=True))
+            reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
             t1 = time.perf_counter()
             step = self._step(loss_finite=math.isfinite(reduced["value_loss"]))
             results.append({**reduced, **step, "time/forward_backward_s": t1 - t0})

@@ -260,9 +260,8 @@ class TrainerService(Service):
         advantage, returns = adv.gae(packed.advantages, values, mask, gamma=gae_cfg.gamma, lam=gae_cfg.lam)
         r, v = returns[mask].double(), values[mask].double()
         a = advantage[mask].double()
-        n, a_sum, a_sq, r_sum, r_sq, e_sum, e_sq = self.all_sum(
-            [len(r), a.sum(), (a**2).sum(), r.sum(), (r**2).sum(), (r - v).sum(), ((r - v) ** 2).sum()]
-        )
+        sums = [len(r), a.sum(), (a**2).sum(), r.sum(), (r**2).sum(), (r - v).sum(), ((r - v) ** 2).sum()]
+        n, a_sum, a_sq, r_sum, r_sq, e_sum, e_sq = self.engine.all_sum([float(x) for x in sums])
         if gae_cfg.whiten and n > 1:
             mean = a_sum / n
             std = math.sqrt(max(a_sq / n - mean**2, 0.0))  # as adv.whiten, over every rank's tokens
@@ -274,12 +273,6 @@ class TrainerService(Service):
             "explained_variance": 1.0 - resid / var if var > 1e-12 else 0.0,
             "returns_mean": r_sum / max(n, 1),
         }
-
-    def all_sum(self, values: list[float | torch.Tensor]) -> list[float]:
-        t = torch.tensor([float(x) for x in values], dtype=torch.float64)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.tolist()
 
     def publish(self, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `self.version` and open the gate for it.
