@@ -11,7 +11,8 @@ one partition, `ring.<id>.<launch>`, where requests are rows and grants are colu
 
 One process of the ring (the first process of its first member; it lives as long as the run) runs the
 arbiter: a thread that reads the events in the order the data plane received them, writes grants and
-preemptions, and deletes a turn's rows once it is released.
+preemptions, and deletes a turn's rows once it is released (the last turn's rows stay until the next
+grant, so the partition always shows how many turns were granted: `meshrl status` reads it).
 The token belongs to a member group, not a process: every process of the holder that asks while the
 member holds it joins the turn, and the token moves on once all of them have released. The rule:
 
@@ -112,6 +113,8 @@ class Arbiter:
         self.turn: _Turn | None = None
         self.turns = 0
         self.last_on_demand = len(plan.members) - 1
+        self.ended: list[int] = []  # rows of the last ended turn, deleted at the next grant
+        self.spent: list[int] = []  # rows to delete after this batch's ack
         self.stop = threading.Event()
         self.error: BaseException | None = None
         # the last grants of a free token: (turn, member, members with requests pending, previous
@@ -128,34 +131,37 @@ class Arbiter:
                 batch = self.client.claim(self.part, "arbiter", ["event"], 256, timeout=1.0, lease=3600)
                 if not batch:
                     continue
-                done: list[int] = []
                 for rid, (kind, member, _, ref), by in zip(
                     batch.ids.tolist(), batch.tensor("event").tolist(), batch.meta_of("by"), strict=True
                 ):
                     if kind == REQUEST:
                         self.pending[member].append((rid, str(by)))
+                    elif self._released(ref, str(by)):
+                        self.ended = [rid, ref]
                     else:
-                        self._released(ref, str(by))
-                        done += [rid, ref]
+                        self.spent += [rid, ref]
                     self._decide()
                 self.client.ack(batch)
-                if done:
-                    self.client.delete(self.part, done)
+                if self.spent:
+                    self.client.delete(self.part, self.spent)
+                    self.spent = []
         except BaseException as e:
             if not self.stop.is_set():
                 log.exception("ring %s: arbiter failed", self.plan.id)
                 self.error = e
 
-    def _released(self, row: int, by: str) -> None:
+    def _released(self, row: int, by: str) -> bool:
+        """True if this release ended the turn."""
         turn = self.turn
         if turn is None or row not in turn.rows:  # a request given up before its grant (a member left)
             for queue in self.pending:
                 queue[:] = [q for q in queue if q[0] != row]
-            return
+            return False
         del turn.rows[row]
         turn.left.add(by)
         if not turn.rows:
             self.turn = None
+        return self.turn is None
 
     def _decide(self) -> None:
         """Grant, let processes join, or preempt, after each event."""
@@ -187,6 +193,8 @@ class Arbiter:
         self.history.append((self.turns + 1, member, asking, previous))
         self.turns += 1
         self.turn = _Turn(member, self.turns)
+        self.spent += self.ended
+        self.ended = []
         queue, self.pending[member] = self.pending[member], []
         self._grant(self.turn, queue)
 

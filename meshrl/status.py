@@ -1,7 +1,10 @@
-"""`meshrl status [RUN_DIR]`: a run at a glance: services, data-plane partitions, weight version.
+"""`meshrl status [RUN_DIR]`: a run at a glance: services, data-plane partitions, colocation rings,
+weight version.
 
 Reads the run directory (topology, data-plane endpoint, secret) and asks each service's loopback health
 endpoint and the controller. Without RUN_DIR, the most recently started run under ./runs is shown.
+A colocation ring's state is read from its partition (`meshrl.colocation`: requests are rows, grants
+and preemptions columns) by claiming its rows under consumer names of its own and giving them back.
 """
 
 from __future__ import annotations
@@ -10,11 +13,16 @@ import json
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from meshrl.dataplane.wire import host_id
+
+if TYPE_CHECKING:
+    from meshrl.dataplane import Client
+
+STATUS_CONSUMER = "status."  # prefix of the consumer names under which status reads ring partitions
 
 
 def latest_run(root: Path = Path("runs")) -> Path | None:
@@ -41,9 +49,10 @@ def collect(run_dir: Path) -> dict[str, Any]:
             state = h["state"] if h else ("remote" if p["host"] != me else "down")
             services.append({"name": name, "host": p["host"], "state": state, "health": h or {}})
     plane: dict[str, Any] = {}
+    rings: list[dict[str, Any]] = []
     info_file = run_dir / "dataplane.json"
     if info_file.exists():
-        from meshrl.dataplane import Client
+        from meshrl.dataplane import Client, DataPlaneError
 
         endpoint = json.loads(info_file.read_text())["controller"]
         secret_file = run_dir / "secret"
@@ -51,8 +60,11 @@ def collect(run_dir: Path) -> dict[str, Any]:
         try:
             with Client(endpoint, secret=secret, timeout=2.0) as c:
                 plane = msgspec.to_builtins(c.status())
+                rings = [ring_state(c, r, plane["partitions"]) for r in recipe_rings(run_dir)]
         except (OSError, TimeoutError) as e:
             plane = {"error": f"data plane unreachable at {endpoint}: {e}"}
+        except DataPlaneError as e:
+            plane = {"error": f"data plane at {endpoint} refused a request: {e}"}
     ledger: dict[str, Any] = {}
     if (run_dir / "ledger.jsonl").exists():
         from dataclasses import asdict
@@ -62,8 +74,67 @@ def collect(run_dir: Path) -> dict[str, Any]:
         ledger = asdict(account(run_dir / "ledger.jsonl"))
     restarts = run_dir / "restarts.jsonl"
     resumes = len(restarts.read_text().splitlines()) if restarts.exists() else 0
-    return {"run_dir": str(run_dir), "services": services, "dataplane": plane, "ledger": ledger,
-            "resumes": resumes}  # fmt: skip
+    return {"run_dir": str(run_dir), "services": services, "dataplane": plane, "rings": rings,
+            "ledger": ledger, "resumes": resumes}  # fmt: skip
+
+
+def recipe_rings(run_dir: Path) -> list[dict[str, Any]]:
+    """The recipe's rings as config.json has them: {"id", "members": [{"group", "mode"}], ...}."""
+    config = run_dir / "config.json"
+    return json.loads(config.read_text())["recipe"].get("rings", []) if config.exists() else []
+
+
+def ring_state(client: Client, ring: dict[str, Any], partitions: list[dict[str, Any]]) -> dict[str, Any]:
+    """Holder, askers, turns granted and fallback of one ring, from the newest launch's partition.
+
+    A request row without a RELEASE row naming it is live: granted, it is the holder's; not granted
+    yet, its member is asking. Grants carry the turn number; the arbiter keeps the last turn's rows
+    until the next grant, so the highest number seen is the count of turns granted."""
+    from meshrl.colocation import CAPACITY, RELEASE
+
+    groups = [m["group"] for m in ring["members"]]
+    fallback = next((m["group"] for m in ring["members"] if m["mode"] == "FALLBACK"), None)
+    state: dict[str, Any] = {"id": ring["id"], "members": groups, "fallback": fallback, "partition": None,
+                             "holder": None, "processes": [], "turn": None, "preempted": False, "asking": [],
+                             "turns": 0}  # fmt: skip
+    prefix = f"ring.{ring['id']}."
+    launches = [int(n[len(prefix) :]) for p in partitions if (n := p["name"]).startswith(prefix)
+                and n[len(prefix) :].isdigit()]  # fmt: skip
+    if not launches:
+        return state
+    part = f"{prefix}{max(launches)}"
+    state["partition"] = part
+    rows = {c: _peek(client, part, c, CAPACITY) for c in ("event", "grant", "preempt")}
+    events = {i: (int(e[0]), int(e[1]), int(e[3]), str(by)) for i, e, by in rows["event"]}
+    grants = {i: int(v[0]) for i, v, _ in rows["grant"]}
+    preempts = {i: int(v[0]) for i, v, _ in rows["preempt"]}
+    released = {ref for kind, _, ref, _ in events.values() if kind == RELEASE}
+    live = {i: e for i, e in events.items() if e[0] != RELEASE and i not in released}
+    holding = sorted(i for i in live if i in grants)
+    if holding:
+        state["holder"] = groups[live[holding[0]][1]]
+        state["turn"] = grants[holding[0]]
+        state["processes"] = [live[i][3] for i in holding]
+        state["preempted"] = any(i in preempts for i in holding)
+    asking: dict[str, list[str]] = {}
+    for i in sorted(live):
+        if i not in grants:
+            asking.setdefault(groups[live[i][1]], []).append(live[i][3])
+    state["asking"] = [{"member": g, "processes": procs} for g, procs in asking.items()]
+    state["turns"] = max(grants.values(), default=0)
+    return state
+
+
+def _peek(client: Client, part: str, column: str, n: int) -> list[tuple[int, list[int], object]]:
+    """(row id, value, meta "by") of every row of `part` that has `column`, claimed under a consumer of
+    `meshrl status` and released at once (the ring's own consumers never see it)."""
+    batch = client.claim(part, f"{STATUS_CONSUMER}{column}", [column], n, lease=10.0)
+    if not batch:
+        return []
+    try:
+        return list(zip(batch.ids.tolist(), batch.tensor(column).tolist(), batch.meta_of("by"), strict=True))
+    finally:
+        client.release(batch)
 
 
 def render(status: dict[str, Any]) -> str:
@@ -94,11 +165,22 @@ def render(status: dict[str, Any]) -> str:
                 f"{p['name']:<12}{p['rows']:>7}/{p['capacity']:<6}  {p['oldest_age_s']:>6.1f}s  {cols}"
             )
             for c in p["consumers"]:
+                if c["name"].startswith(STATUS_CONSUMER):
+                    continue
                 lines.append(
                     f"{'':<32}{c['name']}: {c['ready']} ready, {c['claimed']} claimed, {c['acked']} acked"
                 )
     else:
         lines.append("data plane: not running")
+    if status.get("rings"):
+        lines += ["", f"{'RING':<12}{'HOLDER':<38}{'TURNS':>6}  {'FALLBACK':<12}ASKING"]
+        for r in status["rings"]:
+            if r["holder"] is None:
+                holder = "free" if r["partition"] else "not started"
+            else:
+                holder = f"{r['holder']} (turn {r['turn']}{', asked to leave' if r['preempted'] else ''})"
+            asking = ", ".join(f"{a['member']} ({' '.join(a['processes'])})" for a in r["asking"]) or "-"
+            lines.append(f"{r['id']:<12}{holder:<38}{r['turns']:>6}  {r['fallback'] or '-':<12}{asking}")
     if versions:
         lines += ["", f"weight version: {max(versions)}"]
     ledger = status.get("ledger") or {}
