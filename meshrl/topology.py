@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshrl.recipe import Recipe, RecipeError, Scheduling, ServiceConfig
+from meshrl.roles.inference.config import InferenceConfig
 
 SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
@@ -198,6 +199,13 @@ def plan(recipe: Recipe, devices: list[Device] | tuple[Device, ...]) -> Topology
                         "members need the same replicas and devices_per_replica"
                     )
             for m in known:
+                config = groups[m.group].config
+                if isinstance(config, InferenceConfig) and config.engine == "vllm":
+                    problems.append(
+                        f"{where}.members: {m.group!r} uses the vllm engine, which cannot offload (its weights "
+                        "and KV cache would stay on the devices through the other members' turns); use the "
+                        "hf engine in a ring or give the group devices of its own"
+                    )
                 if groups[m.group].devices_per_replica == 0:
                     problems.append(
                         f"{where}.members: {m.group!r} uses no devices; only device roles take turns"

@@ -165,6 +165,37 @@ def test_ring_errors_name_the_ring_and_member():
     assert "rings['r3'].members: 'tokens' uses no devices" in msg
 
 
+@dataclass(frozen=True, kw_only=True)
+class Prompts(ServiceConfig):
+    service = "x:Prompts"
+
+    def writes(self) -> Columns:
+        return {"samples": ("prompt",), "eval": ("prompt",)}
+
+
+def test_a_vllm_engine_cannot_take_turns_in_a_ring(tmp_path):
+    """vLLM's engine does not offload: in a ring it would keep the devices' memory through the other
+    members' turns. The same ring with the hf engine plans."""
+    from meshrl.roles.inference.config import InferenceConfig
+
+    def ring_recipe(engine: str) -> Recipe:
+        groups = (
+            ServiceGroup(id="rollout", config=Prompts()),
+            ServiceGroup(id="inference", config=InferenceConfig(model=str(tmp_path), engine=engine),
+                         devices_per_replica=1),
+            ServiceGroup(id="trainer", config=Reader(columns=("prompt", "response")), devices_per_replica=1),
+        )  # fmt: skip
+        members = (RingMember(group="inference", mode=Scheduling.FALLBACK), RingMember(group="trainer"))
+        return Recipe(name="t", groups=groups, rings=(ColocationRing(id="shared", members=members),))
+
+    msg = problems(ring_recipe("vllm"), cluster(1, 1))
+    assert (
+        "rings['shared'].members: 'inference' uses the vllm engine, which cannot offload (its weights and KV "
+        "cache would stay on the devices through the other members' turns)"
+    ) in msg, msg
+    assert plan(ring_recipe("hf"), cluster(1, 1)).replicas
+
+
 def test_missing_column_names_the_reader_and_a_fix():
     r = Recipe(
         name="t",
