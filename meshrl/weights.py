@@ -4,19 +4,28 @@ Trainer rank 0 is rank 0 of the group; inference replicas are ranks 1..N, in pla
 standalone torch.distributed process group (gloo on CPU, NCCL on GPU) with its own TCPStore on the
 trainer's weight port, so it lives beside the trainer's FSDP group without touching it.
 
-One publication: a header (version, manifest length, and the JSON manifest of names, shapes, dtypes and
-bucket sizes when it fits in 16 KiB), then the tensors packed into byte buckets of at most `bucket_bytes` each, so memory
-stays bounded whatever the model size. A final barrier tells the trainer that every replica has
-applied the version before it opens the gate. Receivers sit in `wait()` on a thread of their own, so
-a publication starts the moment the trainer sends it; `close()` releases them at the end of training. Receivers sit in `wait()` on a thread of their own, so a
-publication starts the moment the trainer sends it: no announcement, no polling.
+One publication: an announcement in the store (`pub/<n>`: version, the group's epoch, and the JSON
+manifest of names, shapes, dtypes and bucket sizes), then the tensors packed into byte buckets of at
+most `bucket_bytes` each, broadcast, so memory stays bounded whatever the model size. A final barrier
+tells the trainer that every replica has applied the version before it opens the gate. Receivers sit
+in `wait()` on a thread of their own, woken by the store the moment an announcement is written: no
+polling. `close()` announces version -1 at the end of training.
+
+A replica that dies and is restarted re-joins: the new process finds the group already formed, asks to
+join through the store (`join/<k>`), and the trainer re-forms the group in a new epoch (every member
+builds a fresh process group under the epoch's store prefix) at its next publication, or at once with
+the version already published (`republish`). Announcements, not collectives, are where receivers
+wait, so survivors never hang on a group with a dead member: a collective that fails because a member
+died raises `GroupBroken` on the survivors, who wait for the next announcement; the trainer's `send`
+waits for the restarted member and sends the same version again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +36,12 @@ from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
 
 log = logging.getLogger("meshrl.weights")
 Manifest = list[tuple[str, tuple[int, ...], str]]
-HEADER_BYTES = 16 << 10  # version, manifest length, and the manifest when it fits
+Header = dict[str, Any]  # an announcement: version, epoch, tensors, buckets
+POLL = timedelta(minutes=10)  # a store wait that times out logs a warning: wait long, then again
+
+
+class GroupBroken(RuntimeError):
+    """A collective of the weight group failed: a member died. The group re-forms in a new epoch."""
 
 
 class WeightGroup:
@@ -41,49 +55,115 @@ class WeightGroup:
         timeout_s: float = 1800.0,
         device: str = "cpu",
     ) -> None:
+        self.host, self.port = host, port
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
-        timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        self.pg: Any
-        if self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, dist.ProcessGroupNCCL.Options())
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout)
+        self.published = 0  # announcements made (rank 0) or read (receivers)
+        self.epoch = 0
+        self.pg: Any = None
+        self.joins = 0  # rank 0: join requests taken into an epoch
+        self.watch_store: Any = None
+        if rank != 0 and self.store.check(["formed"]):
+            self._ask_to_join()
         else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            self.pg = self._form(0)
+            if rank == 0:
+                self.store.set("formed", "1")
+
+    # ---------------------------------------------------------------------------------------------------
+    # the group, per epoch
+
+    def _form(self, epoch: int) -> Any:
+        """Every member builds the epoch's process group (blocks until all have arrived)."""
+        store = dist.PrefixStore(f"epoch{epoch}/", self.store)
+        self.epoch = epoch
+        if self.device.type == "cuda":
+            return dist.ProcessGroupNCCL(store, self.rank, self.world_size, dist.ProcessGroupNCCL.Options())
+        return dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+
+    def _drop(self) -> None:
+        """Give up the current group (after a failure): closing it frees members blocked on it."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except RuntimeError as e:  # aborting a broken group may complain; it is gone either way
+                log.debug("weight group abort: %s", e)
+
+    def _collective(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except (RuntimeError, dist.DistBackendError) as e:
+            self._drop()
+            raise GroupBroken(f"weight group epoch {self.epoch}: {str(e).splitlines()[0]}") from e
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self.pg.broadcast([tensor], opts).wait()
+        self._collective(lambda: self.pg.broadcast([tensor], opts).wait())
 
     def _barrier(self) -> None:
         """Every member has got this far (a broadcast would only tell the root that it sent)."""
-        self.pg.barrier().wait()
+        self._collective(lambda: self.pg.barrier().wait())
+
+    # ---------------------------------------------------------------------------------------------------
+    # rank 0: publishing
 
     def send(
         self,
         version: int,
         manifest: Manifest,
-        tensors: Iterator[torch.Tensor],
+        tensors: Sequence[torch.Tensor],
         *,
         bucket_bytes: int = 64 << 20,
+        rejoin_timeout_s: float = 600.0,
     ) -> int:
-        """Rank 0: publish `tensors` (in manifest order). Returns the bytes sent."""
+        """Rank 0: publish `tensors` (in manifest order). Returns the bytes sent.
+
+        If a replica is lost during the publication, waits up to `rejoin_timeout_s` for its restart to
+        ask to join, re-forms the group and sends the same version again.
+        """
         assert self.rank == 0
         plan = _buckets(manifest, bucket_bytes)
-        meta = json.dumps({"tensors": manifest, "buckets": [b[0] for b in plan]}).encode()
-        self._broadcast(_header(version, meta).to(self.device))
-        if len(meta) > HEADER_BYTES - 16:  # big manifests take a second broadcast
-            rest = bytearray(meta[HEADER_BYTES - 16 :])
-            self._broadcast(torch.frombuffer(rest, dtype=torch.uint8).to(self.device))
+        while True:
+            try:
+                return self._send_once(version, manifest, tensors, plan)
+            except GroupBroken as e:
+                log.warning("weight publication of version %d lost a receiver (%s); waiting %.0fs for it "
+                            "to re-join", version, e, rejoin_timeout_s)  # fmt: skip
+                deadline = time.monotonic() + rejoin_timeout_s
+                while not self.rejoin_pending() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                if not self.rejoin_pending():
+                    raise TimeoutError(
+                        f"an inference replica left the weight group during version {version} and did not "
+                        f"re-join within {rejoin_timeout_s:.0f}s (its restart policy may not allow it)"
+                    ) from e
+
+    def _send_once(
+        self,
+        version: int,
+        manifest: Manifest,
+        tensors: Sequence[torch.Tensor],
+        plan: list[tuple[int, list[int]]],
+    ) -> int:
+        joining = self.store.add("joins", 0)
+        if self.pg is None or joining > self.joins:  # a member re-joins (or the last epoch broke)
+            self._next_epoch(joining)
+        self._announce({"version": version, "epoch": self.epoch, "tensors": manifest,
+                        "buckets": [b[0] for b in plan]})  # fmt: skip
+        if self.pg is None:
+            self.pg = self._form(self.epoch)
         sent = 0
         for size, members in plan:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             offset = 0
             for index in members:
-                t = next(tensors)
+                t = tensors[index]
                 name, shape, dtype = manifest[index]
                 if tuple(t.shape) != tuple(shape) or DTYPE_NAMES[t.dtype] != dtype:
                     raise ValueError(
@@ -97,43 +177,71 @@ class WeightGroup:
         self._barrier()
         return sent
 
+    def _announce(self, header: Header) -> None:
+        self.published += 1
+        self.store.set(f"pub/{self.published}", json.dumps(header))
+        if self.published > 2:  # every receiver has read the one before last (it took part in a barrier)
+            self.store.delete_key(f"pub/{self.published - 2}")
+
+    def _next_epoch(self, joining: int) -> None:
+        """Rank 0: the next publication goes to a group re-formed in a new epoch, joiners included."""
+        self._drop()
+        self.epoch += 1
+        for k in range(self.joins + 1, joining + 1):  # tell each joiner where to come in
+            self.store.set(f"join/{k}/go", json.dumps({"epoch": self.epoch, "pub": self.published + 1}))
+        self.joins = joining
+        log.info("weight group re-forms in epoch %d", self.epoch)
+
+    def rejoin_pending(self) -> bool:
+        """Rank 0: a restarted replica has asked to join and is waiting for the next publication."""
+        return self.store.add("joins", 0) > self.joins
+
+    def wait_for_join(self, k: int) -> None:
+        """Rank 0, for one watcher thread: block until the k-th join request has been made. On a store
+        client of its own: a blocking wait holds its client, and `send` goes on meanwhile."""
+        if self.watch_store is None:
+            self.watch_store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        _wait_key(self.watch_store, f"join/{k}")
+
     def close(self) -> None:
-        """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1).
-
-        Receivers that already left (the run is over) are no error.
-        """
+        """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1)."""
         assert self.rank == 0
-        try:
-            self._broadcast(_header(-1, b"").to(self.device))
-        except RuntimeError as e:
-            log.info("weight receivers already gone: %s", str(e).splitlines()[0])
+        self._announce({"version": -1, "epoch": self.epoch})
 
-    def wait(self) -> tuple[int, bytes]:
-        """Ranks 1..N: block until the next publication starts. Returns its header for `receive`."""
-        head = torch.zeros(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        self._broadcast(head)
-        data = head.cpu().numpy().tobytes()
-        version, length = torch.frombuffer(bytearray(data[:16]), dtype=torch.int64).tolist()
-        meta = data[16 : 16 + min(length, HEADER_BYTES - 16)]
-        if length > len(meta):
-            rest = torch.empty(length - len(meta), dtype=torch.uint8, device=self.device)
-            self._broadcast(rest)
-            meta += rest.cpu().numpy().tobytes()
-        return int(version), meta
+    # ---------------------------------------------------------------------------------------------------
+    # ranks 1..N: receiving
 
-    def receive(
-        self, header: tuple[int, bytes], apply: Callable[[list[tuple[str, torch.Tensor]]], None]
-    ) -> int:
-        """Ranks 1..N: the rest of the publication `wait` announced, calling `apply` once per bucket.
+    def _ask_to_join(self) -> None:
+        """A restarted replica: the others formed the group long ago; ask the trainer to re-form it."""
+        k = self.store.add("joins", 1)
+        self.store.set(f"join/{k}", str(self.rank))
+        _wait_key(self.store, f"join/{k}/go")
+        go = json.loads(self.store.get(f"join/{k}/go"))
+        self.epoch, self.published = go["epoch"], go["pub"] - 1
+        log.info("re-joining the weight group in epoch %d", self.epoch)
 
-        Returns the version. Split from `wait` so a receiver can block for the next version without
-        holding anything, then take its engine's lock only while weights actually change.
+    def wait(self) -> Header:
+        """Ranks 1..N: block until the next publication is announced. Returns its header for `receive`;
+        version -1 means training is over."""
+        key = f"pub/{self.published + 1}"
+        _wait_key(self.store, key)
+        header: Header = json.loads(self.store.get(key))
+        self.published += 1
+        if header["version"] >= 0 and (self.pg is None or header["epoch"] != self.epoch):
+            self._drop()
+            self.pg = self._form(header["epoch"])
+        return header
+
+    def receive(self, header: Header, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
+        """Ranks 1..N: the tensors `wait` announced, calling `apply` once per bucket. Returns the version.
+
+        Split from `wait` so a receiver can block for the next version without holding anything, then
+        take its engine's lock only while weights actually change. Raises `GroupBroken` if a member
+        died meanwhile: the version is then incomplete here, and comes again in the next epoch.
         """
-        version, raw_meta = header
-        meta = json.loads(raw_meta)
-        manifest: Manifest = [(n, tuple(s), d) for n, s, d in meta["tensors"]]
+        manifest: Manifest = [(n, tuple(s), d) for n, s, d in header["tensors"]]
         index = 0
-        for size in meta["buckets"]:
+        for size in header["buckets"]:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             self._broadcast(buf)
             offset, named = 0, []
@@ -145,16 +253,18 @@ class WeightGroup:
                 index += 1
             apply(named)
         self._barrier()
-        return version
+        return int(header["version"])
 
 
-def _header(version: int, meta: bytes) -> torch.Tensor:
-    head = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    head[:16] = torch.tensor([version, len(meta)], dtype=torch.int64).view(torch.uint8)
-    inline = meta[: HEADER_BYTES - 16]
-    if inline:
-        head[16 : 16 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
-    return head
+def _wait_key(store: Any, key: str) -> None:
+    """Block until `key` is in `store`, however long that takes."""
+    while True:
+        try:
+            store.wait([key], POLL)
+            return
+        except dist.DistStoreError as e:
+            if "timeout" not in str(e).lower():
+                raise
 
 
 def _nbytes(shape: Iterable[int], dtype: str) -> int:

@@ -164,9 +164,10 @@ class InferenceEngine(abc.ABC):
         """
 
     def set_version(self, version: int) -> None:
-        """Record which weight version is now loaded."""
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
+        """Record which weight version is now loaded; -1: none (a re-joined replica before its first
+        update, or an update cut short), so no row is served until a version arrives."""
+        if version < -1:
+            raise ValueError(f"version must be >= -1, got {version}")
         self.version = version
 
     @abc.abstractmethod

@@ -130,7 +130,10 @@ class VLLMEngine(InferenceEngine):
             self._staged.append((name, tensor.detach().to("cpu", copy=True)))
 
     def set_version(self, version: int) -> None:
-        """Apply the weights loaded since the last version, then take the new version number."""
+        """Apply the weights loaded since the last version, then take the new version number (-1: an
+        update cut short, whose parts are dropped)."""
+        if version < 0:
+            self._staged = []
         if self._staged:
             from safetensors.torch import save_file
 

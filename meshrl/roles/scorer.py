@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrl.dataplane import Batch, Client, DataPlaneError, Ragged
+from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
 from meshrl.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
 from meshrl.service import Service
@@ -171,6 +171,25 @@ def put_missing(client: Client, partition: str, columns: dict[str, Any], ids: An
     for k in range(len(ids)):  # rare (after a crash): row by row, the written ones refuse
         try:
             client.put(partition, {c: _row(v, k) for c, v in columns.items()}, ids=ids[k : k + 1])
+        except DataPlaneError as e:
+            if e.code != "conflict":
+                raise
+            kept += 1
+    return kept
+
+
+async def put_missing_async(client: AsyncClient, partition: str, columns: dict[str, Any], ids: Any) -> int:
+    """`put_missing` for asyncio services (inference keeps the completion a predecessor wrote)."""
+    try:
+        await client.put(partition, columns, ids=ids)
+        return 0
+    except DataPlaneError as e:
+        if e.code != "conflict":
+            raise
+    kept = 0
+    for k in range(len(ids)):
+        try:
+            await client.put(partition, {c: _row(v, k) for c, v in columns.items()}, ids=ids[k : k + 1])
         except DataPlaneError as e:
             if e.code != "conflict":
                 raise

@@ -41,6 +41,7 @@ class VLLMSettings:
 @dataclass(frozen=True, kw_only=True)
 class InferenceConfig(ServiceConfig):
     service = "meshrl.roles.inference.service:InferenceService"
+    rejoins = True  # a restarted replica re-joins the weight group and gets the current version
 
     model: str
     """Local path of the initial policy (anything AutoModelForCausalLM.from_pretrained loads)."""

@@ -7,8 +7,13 @@ rollout's pacing window is enforced. Rows whose version has not been published y
 lease renewed) and are generated the moment it arrives; the others are generated at once. Rows are
 acknowledged as they are done, so part of a claim can finish before the rest.
 
-New weights arrive on a thread that waits in the weight group's broadcast (see `receive_weights` for
-the two interrupt modes). Every completion records the versions of its first and last tokens.
+New weights arrive on a thread that waits for the weight group's announcements (see `receive_weights`
+for the two interrupt modes). Every completion records the versions of its first and last tokens.
+
+A replica restarted on its own (restart policy on-failure) re-joins: the prompts its predecessor had
+claimed came back when its connection closed, it asks the trainer for the current weights and serves
+nothing until they arrive, and rows its predecessor wrote but had not acknowledged keep their first
+completion.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from meshrl.dataplane import AsyncClient, Batch
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles import EVAL, SAMPLES
 from meshrl.roles.inference.config import InferenceConfig
+from meshrl.roles.scorer import put_missing_async
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.service import WATCH_S, Service
-from meshrl.weights import WeightGroup
+from meshrl.weights import GroupBroken, WeightGroup
 
 LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
 
@@ -76,6 +82,8 @@ class InferenceService(Service):
                 1 + len(members),
                 device=str(self.ctx.device),
             )
+            if self.weights.pg is None:  # re-joining a running run: the engine's weights are not current
+                self.engine.set_version(-1)
             threading.Thread(target=self.receive_weights, name="weights", daemon=True).start()
 
     @property
@@ -184,7 +192,7 @@ class InferenceService(Service):
             columns = self.generate(work.batch, ready, eval_rows=work.kind == EVAL)
             self.safe_point()
             ids = work.batch.ids[ready]
-            await client.put(work.kind, columns, ids=ids)
+            await put_missing_async(client, work.kind, columns, ids)
             await client.ack(work.batch, None if not later and len(ready) == len(work.batch) else ids)
         if later:
             work.rows = later
@@ -255,21 +263,14 @@ class InferenceService(Service):
         try:
             while True:
                 header = self.weights.wait()
-                if header[0] < 0:  # the trainer is done publishing
+                if header["version"] < 0:  # the trainer is done publishing
                     return
                 t0 = time.perf_counter()
-                if self.config.interrupt == "continue":
-                    self.update_pending.set()
-                    with self.lock:
-                        version = self.weights.receive(header, self.engine.load_weights)
-                        self.engine.set_version(version)
-                        self.update_pending.clear()
-                else:
-                    staged: list[tuple[str, torch.Tensor]] = []
-                    version = self.weights.receive(header, functools.partial(_stage, staged))
-                    with self.lock:
-                        self.engine.load_weights(staged)
-                        self.engine.set_version(version)
+                try:
+                    version = self.receive_version(header)
+                except GroupBroken as e:  # another replica died; the version comes again once it is back
+                    self.log.warning("weights version %d incomplete: %s", header["version"], e)
+                    continue
                 self.announce(version)
                 level = (
                     logging.INFO if version % 50 == 0 else logging.DEBUG
@@ -281,6 +282,29 @@ class InferenceService(Service):
                 self.version_changed.notify_all()
             if self.loop is not None and self.new_version is not None:
                 self.loop.call_soon_threadsafe(self.new_version.set)
+
+    def receive_version(self, header: dict[str, Any]) -> int:
+        version = int(header["version"])
+        if version == self.engine.version:  # sent again for a replica that re-joined: nothing new here
+            return self.weights.receive(header, lambda named: None)
+        if self.config.interrupt == "continue":
+            self.update_pending.set()
+            with self.lock:
+                try:
+                    self.weights.receive(header, self.engine.load_weights)
+                except GroupBroken:
+                    self.engine.set_version(-1)  # part old, part new: serve nothing until complete
+                    raise
+                finally:
+                    self.update_pending.clear()
+                self.engine.set_version(version)
+            return version
+        staged: list[tuple[str, torch.Tensor]] = []
+        self.weights.receive(header, functools.partial(_stage, staged))
+        with self.lock:
+            self.engine.load_weights(staged)
+            self.engine.set_version(version)
+        return version
 
     def row_seeds(self, batch: Batch, rows: list[int]) -> list[int]:
         """A sampling seed per row from the row's identity (rollout's group sequence and member, or the

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import shutil
+import threading
 import time
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -99,6 +100,9 @@ class TrainerService(Service):
             self.weights = WeightGroup(
                 self.ctx.address(whost), wport, 0, 1 + len(members), device=str(self.ctx.device)
             )
+            threading.Thread(target=self.watch_rejoins, name="rejoins", daemon=True).start()
+        self.published: tuple[int, list[torch.Tensor]] | None = None  # rank 0: the last version sent
+        self.resending: list[Future[None]] = []
         self.version = 0
         self.start_step = 0
         self.nan_streak = 0
@@ -152,6 +156,7 @@ class TrainerService(Service):
                     self.checkpoint(step + 1)
         if self.publishing is not None:
             self.publishing.result()
+        self.publisher.shutdown(cancel_futures=True)  # no more re-sends: the receivers are told to stop
         if self.weights is not None:
             self.weights.close()
         if self.stream is not None:
@@ -296,23 +301,51 @@ class TrainerService(Service):
             for _ in weights:  # take part in the gather
                 pass
             return time.perf_counter() - t0
-        copies = [t.detach().clone() for t in weights]
+        for done in [f for f in self.resending if f.done()]:
+            self.resending.remove(done)
+            done.result()  # surfaces a failure to re-join a replica
         if self.publishing is not None:
             self.publishing.result()  # surfaces a failure of the previous publication
+        self.published = None  # at most one copy of the weights waits here
+        copies = [t.detach().clone() for t in weights]
         self.publishing = self.publisher.submit(self._send, self.version, copies, final, gate)
         return time.perf_counter() - t0
 
     def _send(self, version: int, tensors: list[torch.Tensor], final: bool, gate: bool = True) -> None:
-        """Publisher thread: broadcast, wait until every replica has the version, then open the gate."""
+        """Publisher thread: broadcast, wait until every replica has the version, then open the gate.
+        The copy stays for a replica that re-joins before the next version."""
         assert self.weights is not None
         t0 = time.perf_counter()
-        self.weights.send(
-            version, self.engine.manifest(), iter(tensors), bucket_bytes=self.config.bucket_mb << 20
-        )
+        self.weights.send(version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20)
+        self.published = (version, tensors)
         if gate:
             meta: list[Any] = [{"final": final, "step": version}]
             self.gate_client.put(GATE, {"version": torch.tensor([version])}, meta=meta)
         self.publish_s = time.perf_counter() - t0
+
+    def watch_rejoins(self) -> None:
+        """Thread (rank 0): an inference replica restarted on its own asks to re-join the weight group;
+        send it the version already published, on the publisher thread, so it can serve at once (in
+        lock-step the trainer may be waiting for the very samples that replica was generating)."""
+        assert self.weights is not None
+        asked = 0
+        while True:
+            asked += 1
+            self.weights.wait_for_join(asked)
+            try:
+                self.resending.append(self.publisher.submit(self._resend))
+            except RuntimeError:  # the publisher has shut down: training is over
+                return
+
+    def _resend(self) -> None:
+        """Publisher thread: the last version again, to a group re-formed with the replicas that asked to
+        join (unless a publication since took them in)."""
+        assert self.weights is not None
+        if self.published is None or not self.weights.rejoin_pending():
+            return
+        version, tensors = self.published
+        self.log.info("sending weights version %d again for a re-joined inference replica", version)
+        self.weights.send(version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20)
 
     # ---------------------------------------------------------------------------------------------------
     # checkpoints (the protocol is described in meshrl/checkpoint.py)

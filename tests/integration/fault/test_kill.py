@@ -60,15 +60,20 @@ def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_mo
     assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     metrics = rows(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(STEPS))
-    restarts = rows(run_dir / "restarts.jsonl")
-    assert len(restarts) == 1, restarts
+    (restart,) = rows(run_dir / "restarts.jsonl")
+    # an inference replica re-joins the running run (weight group re-formed, current version sent to
+    # it); the trainer and rollout hold state, so the whole run resumes from its checkpoint
+    assert restart.get("in_place", False) == (victim == "inference"), restart
+    trainer_starts = (run_dir / "logs" / "trainer-0-1.log").read_text().count("==== start")
+    assert trainer_starts == (1 if victim == "inference" else 2)
     tally = account(run_dir / "ledger.jsonl")
     assert (tally.consumed, tally.pending, tally.duplicated, tally.unknown) == (STEPS * 128, 0, 0, 0), tally
-    if victim == "trainer":
+    if victim in ("trainer", "inference"):
         reference = run(tmp_path, *common, f"run_dir={tmp_path / 'reference'}")
         assert reference.returncode == 0, reference.stderr[-3000:]
         # bitwise on CPU: the resumed trainer loads the exact weights, optimizer state and step of the
-        # checkpoint, and inference seeds its sampling from the rows' group sequence
+        # checkpoint; a re-joined replica gets the exact weights of the version; inference seeds its
+        # sampling from the rows' group sequence
         expected = rows(tmp_path / "reference" / "metrics.jsonl")
         assert [m["loss"] for m in metrics] == [m["loss"] for m in expected]
         assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in expected]

@@ -40,7 +40,7 @@ def main() -> None:
             responses = [torch.randint(4, 14, (3,), generator=g) for _ in range(8)]
             batch = pack(prompts, responses, [torch.zeros(3)] * 8, torch.randn(8, generator=g), torch.ones(8))
             engine.update_policy(batch, Step())
-        group.send(version, engine.manifest(), engine.get_weights())
+        group.send(version, engine.manifest(), list(engine.get_weights()))
         with torch.no_grad():
             lp, _, _ = engine.forward_logprobs(
                 pack(

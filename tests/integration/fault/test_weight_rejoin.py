@@ -1,0 +1,116 @@
+"""The weight group re-forms around a restarted receiver, and no survivor restarts or hangs.
+
+The test process is the trainer (rank 0); receivers are real processes. A receiver killed with SIGKILL
+(during a publication, and between publications) is replaced by a fresh process with the same rank:
+the publication in flight reaches everyone once the replacement has asked to join, and a replacement
+that arrives between publications gets the version already published (`send` again, as the trainer's
+watcher does). Every receiver checks the bytes it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from meshrl.weights import WeightGroup
+from tests.conftest import free_base_port
+
+REPO = Path(__file__).resolve().parents[3]
+MANIFEST = [("a", (1000,), "float32"), ("b", (3, 7), "int64")]
+
+RECEIVER = """
+import json, sys
+import torch
+from meshrl.weights import GroupBroken, WeightGroup
+port, rank = int(sys.argv[1]), int(sys.argv[2])
+group = WeightGroup("127.0.0.1", port, rank, 3, timeout_s=60)
+print(json.dumps({"joined": group.epoch}), flush=True)
+while True:
+    header = group.wait()
+    if header["version"] < 0:
+        break
+    got = {}
+    try:
+        version = group.receive(header, lambda named: got.update({n: t.clone() for n, t in named}))
+    except GroupBroken as e:
+        print(json.dumps({"broken": header["version"]}), flush=True)
+        continue
+    ok = bool((got["a"] == version).all() and (got["b"] == version * 10).all())
+    print(json.dumps({"version": version, "epoch": header["epoch"], "ok": ok}), flush=True)
+"""
+
+
+def tensors(version: int) -> list[torch.Tensor]:
+    return [torch.full((1000,), float(version)), torch.full((3, 7), version * 10, dtype=torch.int64)]
+
+
+def receiver(port: int, rank: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", RECEIVER, str(port), str(rank)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+def line(proc: subprocess.Popen[str]) -> dict[str, object]:
+    assert proc.stdout is not None
+    text = proc.stdout.readline()
+    assert text, f"receiver {proc.pid} exited with {proc.wait()}"
+    return dict(json.loads(text))
+
+
+def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path) -> None:
+    port = free_base_port()
+    survivor, lost = receiver(port, 1), receiver(port, 2)
+    procs = [survivor, lost]
+    try:
+        group = WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60)
+        assert line(survivor) == line(lost) == {"joined": 0}
+        group.send(0, MANIFEST, tensors(0))
+        assert line(survivor) == line(lost) == {"version": 0, "epoch": 0, "ok": True}
+
+        # killed between publications: the next publication fails on it and waits for its replacement
+        lost.send_signal(signal.SIGKILL)
+        lost.wait()
+        sending = threading.Thread(
+            target=group.send, args=(1, MANIFEST, tensors(1)), kwargs={"rejoin_timeout_s": 60}
+        )
+        sending.start()
+        lost = receiver(port, 2)
+        procs.append(lost)
+        assert line(lost) == {"joined": 1}
+        sending.join(timeout=60)
+        assert not sending.is_alive()
+        seen = line(survivor)
+        if "broken" in seen:  # it took part in the failed attempt; the version came again
+            assert seen == {"broken": 1}
+            seen = line(survivor)
+        assert seen == line(lost) == {"version": 1, "epoch": 1, "ok": True}
+
+        # killed while idle, replaced before the next version: it gets the version already published
+        lost.send_signal(signal.SIGKILL)
+        lost.wait()
+        lost = receiver(port, 2)
+        procs.append(lost)
+        group.wait_for_join(2)  # what the trainer's watcher thread does
+        assert group.rejoin_pending()
+        group.send(1, MANIFEST, tensors(1))
+        assert line(lost) == {"joined": 2}
+        assert line(lost) == line(survivor) == {"version": 1, "epoch": 2, "ok": True}
+        assert not group.rejoin_pending()
+
+        group.send(2, MANIFEST, tensors(2))  # and the re-formed group goes on as before
+        assert line(lost) == line(survivor) == {"version": 2, "epoch": 2, "ok": True}
+        group.close()
+        assert survivor.wait(timeout=30) == 0 and lost.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
