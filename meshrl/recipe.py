@@ -47,9 +47,10 @@ class ServiceConfig:
     stateful: ClassVar[bool] = False
     """Takes part in checkpoints (saves its own state when the trainer asks; see meshrl/checkpoint.py)."""
     rejoins: ClassVar[bool] = False
-    """A replica restarted on its own re-joins the running run: it keeps no state of the run and takes
-    no weight updates (a frozen scorer). Under an on-failure policy its launcher restarts just that
-    process, outside colocation rings; any other failure restarts the whole run from a checkpoint."""
+    """A replica restarted on its own re-joins the running run: it keeps no state of the run (a frozen
+    scorer; inference, which gets the current weights when it re-joins the weight group). Under an
+    on-failure policy its launcher restarts just that process, outside colocation rings; any other
+    failure restarts the whole run from a checkpoint."""
 
     def reads(self) -> Columns:
         """Columns this service consumes, per partition."""
