@@ -85,7 +85,7 @@ def recipe_rings(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def ring_state(client: Client, ring: dict[str, Any], partitions: list[dict[str, Any]]) -> dict[str, Any]:
-    """Holder, askers, turns granted and fallback of one ring, from the newest launch's partition.
+    """Holder, askers, turns granted and fallback of one ring, from the current launch's partition.
 
     A request row without a RELEASE row naming it is live: granted, it is the holder's; not granted
     yet, its member is asking. Grants carry the turn number; the arbiter keeps the last turn's rows
@@ -98,11 +98,12 @@ def ring_state(client: Client, ring: dict[str, Any], partitions: list[dict[str, 
                              "holder": None, "processes": [], "turn": None, "preempted": False, "asking": [],
                              "turns": 0}  # fmt: skip
     prefix = f"ring.{ring['id']}."
-    launches = [int(n[len(prefix) :]) for p in partitions if (n := p["name"]).startswith(prefix)
-                and n[len(prefix) :].isdigit()]  # fmt: skip
+    # one partition per launch; the controller lists them in creation order (a resumed run's restored
+    # ones first), so the last is this launch's
+    launches = [n for p in partitions if (n := p["name"]).startswith(prefix) and "." not in n[len(prefix) :]]
     if not launches:
         return state
-    part = f"{prefix}{max(launches)}"
+    part = launches[-1]
     state["partition"] = part
     rows = {c: _peek(client, part, c, CAPACITY) for c in ("event", "grant", "preempt")}
     events = {i: (int(e[0]), int(e[1]), int(e[3]), str(by)) for i, e, by in rows["event"]}

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from meshrl.colocation import RingMember, RingPlan
 from meshrl.dataplane import Client
 from meshrl.recipe import Scheduling
@@ -47,13 +49,19 @@ def test_status_names_the_holder_the_askers_and_the_turns(plane, tmp_path):
         tuple(Scheduling[m] for _, m in MEMBERS),
         tuple((f"{g}-0-0",) for g, _ in MEMBERS),
     )
+    # a ring partition of an earlier launch (a resumed run restores it before this launch's is created),
+    # with a request nobody will grant: status reads the current launch's partition, not that one
+    with Client(plane.controller, name="earlier") as c:
+        c.create_partition("ring.shared.earlier", 16)
+        c.put("ring.shared.earlier", {"event": torch.tensor([[1, 2, 0, -1]])}, meta=[{"by": "trainer-0-0"}])
     members = {
         g: RingMember(plan, f"{g}-0-0", lambda name: Client(plane.controller, name=name)) for g, _ in MEMBERS
     }
     inference, trainer = members["inference"], members["trainer"]
     try:
         ring, text = ring_status(run_dir, lambda r: r["partition"] is not None)
-        assert (ring["holder"], ring["turns"], ring["fallback"]) == (None, 0, "inference"), text
+        assert (ring["partition"], ring["holder"], ring["turns"], ring["asking"], ring["fallback"]) == (
+            "ring.shared.0", None, 0, [], "inference"), text  # fmt: skip
         assert "shared" in text and "free" in text
 
         inference.acquire(timeout=5)  # the fallback takes the free token: turn 1
