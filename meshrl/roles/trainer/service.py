@@ -97,8 +97,16 @@ class TrainerService(Service):
         if self.rank == 0 and not self.local:
             members = [r for r in self.ctx.topology.replicas if r.group in cfg.inference]
             whost, wport = replica.weights_endpoint
+            # every receiver on this host, on CPU: the tensors go through one shared-memory segment (in
+            # the data plane's directory, named like this process's own segments, so it is cleaned up
+            # with them), and the group only synchronises
+            pool = self.client.core.pool
+            local = all(p.host == whost for m in members for p in m.processes)
+            shm = None
+            if self.ctx.device.type == "cpu" and pool is not None and local:
+                shm = (pool.directory, f"{pool.prefix}-weights")
             self.weights = WeightGroup(
-                self.ctx.address(whost), wport, 0, 1 + len(members), device=str(self.ctx.device)
+                self.ctx.address(whost), wport, 0, 1 + len(members), device=str(self.ctx.device), shm=shm
             )
             threading.Thread(target=self.watch_rejoins, name="rejoins", daemon=True).start()
         self.published: tuple[int, list[torch.Tensor]] | None = None  # rank 0: the last version sent

@@ -1,6 +1,7 @@
 """The weight group re-forms around a restarted receiver, and no survivor restarts or hangs.
 
-The test process is the trainer (rank 0); receivers are real processes. A receiver killed with SIGKILL
+The test process is the trainer (rank 0); receivers are real processes; the tensors travel by broadcast
+or, all on one host, through one shared-memory segment. A receiver killed with SIGKILL
 (during a publication, and between publications) is replaced by a fresh process with the same rank:
 the publication in flight reaches everyone once the replacement has asked to join, and a replacement
 that arrives between publications gets the version already published (`send` again, as the trainer's
@@ -17,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshrl.weights import WeightGroup
@@ -65,12 +67,14 @@ def line(proc: subprocess.Popen[str]) -> dict[str, object]:
     return dict(json.loads(text))
 
 
-def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["broadcast", "shm"])
+def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path, transport: str) -> None:
     port = free_base_port()
     survivor, lost = receiver(port, 1), receiver(port, 2)
     procs = [survivor, lost]
+    shm = (str(tmp_path), "meshrl-test-weights") if transport == "shm" else None
     try:
-        group = WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60)
+        group = WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60, shm=shm)
         assert line(survivor) == line(lost) == {"joined": 0}
         group.send(0, MANIFEST, tensors(0))
         assert line(survivor) == line(lost) == {"version": 0, "epoch": 0, "ok": True}
@@ -109,6 +113,7 @@ def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path) -> 
         assert line(lost) == line(survivor) == {"version": 2, "epoch": 2, "ok": True}
         group.close()
         assert survivor.wait(timeout=30) == 0 and lost.wait(timeout=30) == 0
+        assert not list(tmp_path.glob("meshrl-test-weights*"))  # the segment goes with the group
     finally:
         for p in procs:
             if p.poll() is None:
