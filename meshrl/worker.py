@@ -8,6 +8,7 @@ members of a hybrid colocation ring on one device, run as threads of this one pr
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -70,6 +71,10 @@ def main() -> None:
             service.setup()
             service.join_ring()
         logging.getLogger("meshrl.worker").info("ready after %.1fs", time.monotonic() - t0)
+        # what setup built (models, datasets, tokenizers) lives for the whole run: keep it out of the
+        # garbage collector's full passes, which otherwise stall a service for 100+ ms now and then
+        gc.collect()
+        gc.freeze()
         for service in services:
             service.ctx.health.state = "running"
         if len(services) == 1:
