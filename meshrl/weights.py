@@ -76,6 +76,7 @@ class WeightGroup:
         self.epoch = 0
         self.pg: Any = None
         self.joins = 0  # rank 0: join requests taken into an epoch
+        self.pending: tuple[Header, int, Sequence[torch.Tensor] | None] | None = None  # posted, unfinished
         self.watch_store: Any = None
         if rank != 0 and self.store.check(["formed"]):
             self._ask_to_join()
@@ -128,22 +129,65 @@ class WeightGroup:
         self,
         version: int,
         manifest: Manifest,
-        tensors: Sequence[torch.Tensor],
+        tensors: Sequence[torch.Tensor] | None,
         *,
         bucket_bytes: int = 64 << 20,
         rejoin_timeout_s: float = 600.0,
     ) -> int:
-        """Rank 0: publish `tensors` (in manifest order). Returns the bytes sent.
+        """Rank 0: publish `tensors` (in manifest order): `post`, then `finish`. Returns the bytes."""
+        self.post(version, manifest, tensors, bucket_bytes=bucket_bytes)
+        return self.finish(rejoin_timeout_s=rejoin_timeout_s)
 
-        If a replica is lost during the publication, waits up to `rejoin_timeout_s` for its restart to
-        ask to join, re-forms the group and sends the same version again.
-        """
-        assert self.rank == 0
+    def post(
+        self,
+        version: int,
+        manifest: Manifest,
+        tensors: Sequence[torch.Tensor] | None,
+        *,
+        bucket_bytes: int = 64 << 20,
+    ) -> None:
+        """Rank 0: announce a publication, taking in replicas that asked to join (a new epoch). With
+        shared memory, `tensors` are copied into the segment here (None: it already holds this version)
+        and may change once this returns; over the broadcast they must stay until `finish` returns."""
+        assert self.rank == 0 and self.pending is None
         plan = _buckets(manifest, bucket_bytes)
+        joining = self.store.add("joins", 0)
+        if self.pg is None or joining > self.joins:  # a member re-joins (or the last epoch broke)
+            self._next_epoch(joining)
+        header: Header = {"version": version, "epoch": self.epoch, "tensors": manifest,
+                          "buckets": [b[0] for b in plan]}  # fmt: skip
+        if self.shm is not None:  # every receiver reads the segment: fill it, then announce
+            shared = self._shared(sum(b[0] for b in plan))
+            if tensors is not None:
+                _pack(manifest, tensors, range(len(manifest)), shared)
+            header["shm"] = str(self.segment.path)  # type: ignore[union-attr]
+            tensors = None
+        self._announce(header)
+        self.pending = (header, bucket_bytes, tensors)
+
+    def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
+        """Rank 0: the rest of the posted publication (the broadcast, the barrier). Returns the bytes.
+
+        If a replica is lost meanwhile, waits up to `rejoin_timeout_s` for its restart to ask to join,
+        re-forms the group and sends the same version again."""
         while True:
+            assert self.pending is not None
+            header, bucket_bytes, tensors = self.pending
+            plan = _buckets(header["tensors"], bucket_bytes)
             try:
-                return self._send_once(version, manifest, tensors, plan)
+                if self.pg is None:
+                    self.pg = self._form(self.epoch)
+                if tensors is not None:
+                    manifest = header["tensors"]
+                    for size, members in plan:
+                        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+                        _pack(manifest, tensors, members, buf)
+                        self._broadcast(buf)
+                self._barrier()  # with shared memory too: nobody reads the segment any more
+                self.pending = None
+                return sum(b[0] for b in plan)
             except GroupBroken as e:
+                version = header["version"]
                 log.warning("weight publication of version %d lost a receiver (%s); waiting %.0fs for it "
                             "to re-join", version, e, rejoin_timeout_s)  # fmt: skip
                 deadline = time.monotonic() + rejoin_timeout_s
@@ -154,33 +198,8 @@ class WeightGroup:
                         f"an inference replica left the weight group during version {version} and did not "
                         f"re-join within {rejoin_timeout_s:.0f}s (its restart policy may not allow it)"
                     ) from e
-
-    def _send_once(
-        self,
-        version: int,
-        manifest: Manifest,
-        tensors: Sequence[torch.Tensor],
-        plan: list[tuple[int, list[int]]],
-    ) -> int:
-        joining = self.store.add("joins", 0)
-        if self.pg is None or joining > self.joins:  # a member re-joins (or the last epoch broke)
-            self._next_epoch(joining)
-        header: Header = {"version": version, "epoch": self.epoch, "tensors": manifest,
-                          "buckets": [b[0] for b in plan]}  # fmt: skip
-        shared = self._shared(sum(b[0] for b in plan)) if self.shm is not None else None
-        if shared is not None:  # every receiver reads the segment: fill it, then announce
-            _pack(manifest, tensors, range(len(manifest)), shared)
-            header["shm"] = str(self.segment.path)  # type: ignore[union-attr]
-        self._announce(header)
-        if self.pg is None:
-            self.pg = self._form(self.epoch)
-        if shared is None:
-            for size, members in plan:
-                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-                _pack(manifest, tensors, members, buf)
-                self._broadcast(buf)
-        self._barrier()  # in shm mode also: nobody reads the segment any more, it may be written again
-        return sum(b[0] for b in plan)
+                self.pending = None
+                self.post(version, header["tensors"], tensors, bucket_bytes=bucket_bytes)
 
     def _shared(self, size: int) -> torch.Tensor:
         """Rank 0: the shared-memory segment, as bytes, big enough for one version."""
@@ -249,12 +268,20 @@ class WeightGroup:
             self.pg = self._form(header["epoch"])
         return header
 
-    def receive(self, header: Header, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
+    def receive(
+        self,
+        header: Header,
+        apply: Callable[[list[tuple[str, torch.Tensor]]], None],
+        *,
+        applied: Callable[[], None] | None = None,
+    ) -> int:
         """Ranks 1..N: the tensors `wait` announced, calling `apply` once per bucket. Returns the version.
 
         Split from `wait` so a receiver can block for the next version without holding anything, then
-        take its engine's lock only while weights actually change. Raises `GroupBroken` if a member
-        died meanwhile: the version is then incomplete here, and comes again in the next epoch.
+        take its engine's lock only while weights actually change. `applied` is called once every
+        bucket is in, before the final barrier: the version may be used while the others finish. Raises
+        `GroupBroken` if a member died meanwhile (before `applied`: the version is incomplete here, and
+        comes again in the next epoch).
         """
         manifest: Manifest = [(n, tuple(s), d) for n, s, d in header["tensors"]]
         index = start = 0
@@ -274,6 +301,8 @@ class WeightGroup:
                 offset += n
                 index += 1
             apply(named)
+        if applied is not None:
+            applied()
         self._barrier()
         return int(header["version"])
 

@@ -255,8 +255,9 @@ class InferenceService(Service):
     def receive_weights(self) -> None:
         """Thread: wait for each publication, then load it into the engine.
 
-        interrupt="finish": receive into a staging copy without the engine lock (the trainer is never
-        held up by a batch in progress), then swap it in once the batch is done.
+        interrupt="finish": load directly if no batch is in progress; else receive into a staging copy
+        without the engine lock (the trainer is never held up by a batch in progress), then swap it in
+        once the batch is done.
         interrupt="continue": ask the batch in progress to stop at its next token, load the weights
         directly, and let the batch continue on them.
         """
@@ -269,9 +270,8 @@ class InferenceService(Service):
                 try:
                     version = self.receive_version(header)
                 except GroupBroken as e:  # another replica died; the version comes again once it is back
-                    self.log.warning("weights version %d incomplete: %s", header["version"], e)
+                    self.log.warning("weight group broke during version %d (%s)", header["version"], e)
                     continue
-                self.announce(version)
                 level = (
                     logging.INFO if version % 50 == 0 else logging.DEBUG
                 )  # 64 replicas x every step adds up
@@ -284,27 +284,40 @@ class InferenceService(Service):
                 self.loop.call_soon_threadsafe(self.new_version.set)
 
     def receive_version(self, header: dict[str, Any]) -> int:
+        """Load one announced version; generation may use it as soon as every bucket is in, while the
+        group's final barrier is still under way."""
         version = int(header["version"])
         if version == self.engine.version:  # sent again for a replica that re-joined: nothing new here
             return self.weights.receive(header, lambda named: None)
-        if self.config.interrupt == "continue":
+        continuing = self.config.interrupt == "continue"
+        if continuing:
             self.update_pending.set()
-            with self.lock:
-                try:
-                    self.weights.receive(header, self.engine.load_weights)
-                except GroupBroken:
-                    self.engine.set_version(-1)  # part old, part new: serve nothing until complete
-                    raise
-                finally:
-                    self.update_pending.clear()
-                self.engine.set_version(version)
-            return version
+        # "continue" waits for the batch in progress to stop; "finish" loads directly only when no batch
+        # is in progress (always, in lock-step), else stages a copy and swaps it in after the batch
+        held = self.lock.acquire(blocking=continuing)
         staged: list[tuple[str, torch.Tensor]] = []
-        self.weights.receive(header, functools.partial(_stage, staged))
-        with self.lock:
-            self.engine.load_weights(staged)
-            self.engine.set_version(version)
-        return version
+
+        def applied() -> None:
+            nonlocal held
+            if held:
+                self.engine.set_version(version)
+                self.lock.release()
+                held = False
+                self.update_pending.clear()
+            else:
+                with self.lock:
+                    self.engine.load_weights(staged)
+                    self.engine.set_version(version)
+            self.announce(version)
+
+        try:
+            apply = self.engine.load_weights if held else functools.partial(_stage, staged)
+            return self.weights.receive(header, apply, applied=applied)
+        finally:
+            if held:  # cut short: part old, part new; serve nothing until a complete version
+                self.engine.set_version(-1)
+                self.lock.release()
+                self.update_pending.clear()
 
     def row_seeds(self, batch: Batch, rows: list[int]) -> list[int]:
         """A sampling seed per row from the row's identity (rollout's group sequence and member, or the

@@ -109,8 +109,9 @@ class TrainerService(Service):
                 self.ctx.address(whost), wport, 0, 1 + len(members), device=str(self.ctx.device), shm=shm
             )
             threading.Thread(target=self.watch_rejoins, name="rejoins", daemon=True).start()
-        self.published: tuple[int, list[torch.Tensor]] | None = None  # rank 0: the last version sent
-        self.resending: list[Future[None]] = []
+        self.published: tuple[int, list[torch.Tensor] | None] | None = None  # rank 0: the last version sent
+        self.queued: Future[None] | None = None  # the last task on the publisher (publication or re-send)
+        self.publish_lock = threading.Lock()
         self.version = 0
         self.start_step = 0
         self.nan_streak = 0
@@ -162,8 +163,8 @@ class TrainerService(Service):
             if every and (step + 1) % every == 0 and step + 1 < total:
                 with self.device_turn():
                     self.checkpoint(step + 1)
-        if self.publishing is not None:
-            self.publishing.result()
+        if self.queued is not None:
+            self.queued.result()
         self.publisher.shutdown(cancel_futures=True)  # no more re-sends: the receivers are told to stop
         if self.weights is not None:
             self.weights.close()
@@ -309,22 +310,35 @@ class TrainerService(Service):
             for _ in weights:  # take part in the gather
                 pass
             return time.perf_counter() - t0
-        for done in [f for f in self.resending if f.done()]:
-            self.resending.remove(done)
-            done.result()  # surfaces a failure to re-join a replica
-        if self.publishing is not None:
-            self.publishing.result()  # surfaces a failure of the previous publication
-        self.published = None  # at most one copy of the weights waits here
-        copies = [t.detach().clone() for t in weights]
-        self.publishing = self.publisher.submit(self._send, self.version, copies, final, gate)
+        assert self.weights is not None
+        manifest = self.engine.manifest()
+        with self.publish_lock:  # a re-send asked for meanwhile queues behind this publication
+            if self.queued is not None:
+                self.queued.result()  # the previous publication is complete (or raises its failure)
+            self.published = None  # at most one copy of the weights waits here
+            if self.weights.shm is not None:  # copied into shared memory and announced right here
+                self.weights.post(
+                    self.version, manifest, list(weights), bucket_bytes=self.config.bucket_mb << 20
+                )
+                copies = None
+            else:
+                copies = [t.detach().clone() for t in weights]
+            self.queued = self.publishing = self.publisher.submit(
+                self._send, self.version, copies, final, gate
+            )
         return time.perf_counter() - t0
 
-    def _send(self, version: int, tensors: list[torch.Tensor], final: bool, gate: bool = True) -> None:
-        """Publisher thread: broadcast, wait until every replica has the version, then open the gate.
-        The copy stays for a replica that re-joins before the next version."""
+    def _send(self, version: int, tensors: list[torch.Tensor] | None, final: bool, gate: bool = True) -> None:
+        """Publisher thread: the broadcast (unless posted through shared memory already), wait until every
+        replica has the version, then open the gate. What was sent stays for a replica that re-joins
+        before the next version (the copy, or the segment)."""
         assert self.weights is not None
         t0 = time.perf_counter()
-        self.weights.send(version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20)
+        if self.weights.pending is None:
+            self.weights.post(
+                version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20
+            )
+        self.weights.finish()
         self.published = (version, tensors)
         if gate:
             meta: list[Any] = [{"final": final, "step": version}]
@@ -340,15 +354,18 @@ class TrainerService(Service):
         while True:
             asked += 1
             self.weights.wait_for_join(asked)
-            try:
-                self.resending.append(self.publisher.submit(self._resend))
-            except RuntimeError:  # the publisher has shut down: training is over
-                return
+            with self.publish_lock:
+                try:
+                    self.queued = self.publisher.submit(self._resend, self.queued)
+                except RuntimeError:  # the publisher has shut down: training is over
+                    return
 
-    def _resend(self) -> None:
+    def _resend(self, before: Future[None] | None) -> None:
         """Publisher thread: the last version again, to a group re-formed with the replicas that asked to
-        join (unless a publication since took them in)."""
+        join (unless a publication since took them in). A failure of the task before surfaces there."""
         assert self.weights is not None
+        if before is not None:
+            before.result()  # done already (one worker, in order): its failure must not be lost
         if self.published is None or not self.weights.rejoin_pending():
             return
         version, tensors = self.published
