@@ -9,7 +9,9 @@ manifest of names, shapes, dtypes and bucket sizes), then the tensors packed int
 most `bucket_bytes` each, broadcast, so memory stays bounded whatever the model size. When every
 receiver shares the trainer's host (CPU), the tensors go through one shared-memory segment instead:
 the trainer fills it, the announcement names it, receivers copy from their mapping (about 3x faster
-than gloo on loopback for a 4 MiB model), and the group only carries the barrier. A final barrier
+than gloo on loopback for a 4 MiB model), and the barrier goes through the store as well (each
+receiver counts itself in; no process group at all, which matters with dozens of replicas on few
+cores). A final barrier
 tells the trainer that every replica has applied the version before it opens the gate (and, with
 shared memory, that the segment may be written again). Receivers sit
 in `wait()` on a thread of their own, woken by the store the moment an announcement is written: no
@@ -43,7 +45,10 @@ from meshrl.dataplane.shm import Segment
 log = logging.getLogger("meshrl.weights")
 Manifest = list[tuple[str, tuple[int, ...], str]]
 Header = dict[str, Any]  # an announcement: version, epoch, tensors, buckets
-POLL = timedelta(minutes=10)  # a store wait that times out logs a warning: wait long, then again
+POLL = timedelta(minutes=10)
+BARRIER_POLL = timedelta(
+    seconds=2
+)  # how often the trainer looks for a replica re-joining meanwhile  # a store wait that times out logs a warning: wait long, then again
 
 
 class GroupBroken(RuntimeError):
@@ -74,31 +79,48 @@ class WeightGroup:
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout)
         self.published = 0  # announcements made (rank 0) or read (receivers)
         self.epoch = 0
-        self.pg: Any = None
+        self.pg: Any = None  # the epoch's process group (none with shared memory)
+        self.formed = False  # this member has joined the current epoch
         self.joins = 0  # rank 0: join requests taken into an epoch
         self.pending: tuple[Header, int, Sequence[torch.Tensor] | None] | None = None  # posted, unfinished
         self.watch_store: Any = None
+        if rank == 0:
+            self.store.set("transport", "shm" if shm is not None else "broadcast")
+        self.shared = self.store.get("transport") == b"shm"
         if rank != 0 and self.store.check(["formed"]):
             self._ask_to_join()
         else:
-            self.pg = self._form(0)
-            if rank == 0:
+            self._form(0)
+            if self.shared:  # no collective formed the group: the first members count themselves in
+                if rank != 0 and self.store.add("arrived", 1) == world_size - 1:
+                    self.store.set("all arrived", "1")
+                if rank == 0 and world_size > 1:
+                    _wait_key(self.store, "all arrived")
+            if rank == 0:  # from now on a member that arrives is a restarted one
                 self.store.set("formed", "1")
 
     # ---------------------------------------------------------------------------------------------------
     # the group, per epoch
 
-    def _form(self, epoch: int) -> Any:
-        """Every member builds the epoch's process group (blocks until all have arrived)."""
-        store = dist.PrefixStore(f"epoch{epoch}/", self.store)
+    def _form(self, epoch: int) -> None:
+        """Every member builds the epoch's process group (blocks until all have arrived). With shared
+        memory there is none: the store carries the barrier too."""
         self.epoch = epoch
-        if self.device.type == "cuda":
-            return dist.ProcessGroupNCCL(store, self.rank, self.world_size, dist.ProcessGroupNCCL.Options())
-        return dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+        store = dist.PrefixStore(f"epoch{epoch}/", self.store)
+        if self.shared:
+            self.pg = None
+        elif self.device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(
+                store, self.rank, self.world_size, dist.ProcessGroupNCCL.Options()
+            )
+        else:
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+        self.formed = True
 
     def _drop(self) -> None:
         """Give up the current group (after a failure): closing it frees members blocked on it."""
         pg, self.pg = self.pg, None
+        self.formed = False
         if pg is not None:
             try:
                 pg.abort()
@@ -119,8 +141,31 @@ class WeightGroup:
         self._collective(lambda: self.pg.broadcast([tensor], opts).wait())
 
     def _barrier(self) -> None:
-        """Every member has got this far (a broadcast would only tell the root that it sent)."""
-        self._collective(lambda: self.pg.barrier().wait())
+        """Every member has got this far (a broadcast would only tell the root that it sent). With shared
+        memory, through the store: each receiver counts itself in, the last one says so, and the
+        trainer waits for that, giving up when a restarted replica asks to join (the one missing)."""
+        if not self.shared:
+            self._collective(lambda: self.pg.barrier().wait())
+            return
+        n = self.published
+        if self.rank != 0:
+            if self.store.add(f"done/{n}", 1) == self.world_size - 1:
+                self.store.set(f"all/{n}", "1")
+            return
+        waited = timedelta()
+        while True:
+            try:
+                self.store.wait([f"all/{n}"], BARRIER_POLL)
+                return
+            except dist.DistStoreError as e:
+                if "timeout" not in str(e).lower():
+                    raise
+            waited += BARRIER_POLL
+            if self.rejoin_pending():
+                self._drop()
+                raise GroupBroken(f"a receiver of publication {n} is gone (its restart asks to join)")
+            if waited > self.timeout:
+                raise TimeoutError(f"weight publication {n}: a receiver did not apply it in {waited}")
 
     # ---------------------------------------------------------------------------------------------------
     # rank 0: publishing
@@ -152,18 +197,26 @@ class WeightGroup:
         assert self.rank == 0 and self.pending is None
         plan = _buckets(manifest, bucket_bytes)
         joining = self.store.add("joins", 0)
-        if self.pg is None or joining > self.joins:  # a member re-joins (or the last epoch broke)
+        if not self.formed or joining > self.joins:  # a member re-joins (or the last epoch broke)
             self._next_epoch(joining)
         header: Header = {"version": version, "epoch": self.epoch, "tensors": manifest,
                           "buckets": [b[0] for b in plan]}  # fmt: skip
         if self.shm is not None:  # every receiver reads the segment: fill it, then announce
-            shared = self._shared(sum(b[0] for b in plan))
             if tensors is not None:
-                _pack(manifest, tensors, range(len(manifest)), shared)
-            header["shm"] = str(self.segment.path)  # type: ignore[union-attr]
+                self.stage(manifest, tensors)
+            assert self.segment is not None, "nothing staged"
+            header["shm"] = str(self.segment.path)
             tensors = None
         self._announce(header)
         self.pending = (header, bucket_bytes, tensors)
+
+    def stage(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0 with shared memory: copy `tensors` into the segment now, for a `post` with no tensors
+        (no publication may be in flight). They may change once this returns."""
+        assert self.rank == 0 and self.pending is None
+        _pack(
+            manifest, tensors, range(len(manifest)), self._shared(sum(_nbytes(s, d) for _, s, d in manifest))
+        )
 
     def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
         """Rank 0: the rest of the posted publication (the broadcast, the barrier). Returns the bytes.
@@ -175,8 +228,8 @@ class WeightGroup:
             header, bucket_bytes, tensors = self.pending
             plan = _buckets(header["tensors"], bucket_bytes)
             try:
-                if self.pg is None:
-                    self.pg = self._form(self.epoch)
+                if not self.formed:
+                    self._form(self.epoch)
                 if tensors is not None:
                     manifest = header["tensors"]
                     for size, members in plan:
@@ -215,7 +268,7 @@ class WeightGroup:
         self.published += 1
         self.store.set(f"pub/{self.published}", json.dumps(header))
         if self.published > 2:  # every receiver has read the one before last (it took part in a barrier)
-            self.store.delete_key(f"pub/{self.published - 2}")
+            self.store.delete_key(f"pub/{self.published - 2}")  # (the barrier's few bytes stay)
 
     def _next_epoch(self, joining: int) -> None:
         """Rank 0: the next publication goes to a group re-formed in a new epoch, joiners included."""
@@ -263,9 +316,9 @@ class WeightGroup:
         _wait_key(self.store, key)
         header: Header = json.loads(self.store.get(key))
         self.published += 1
-        if header["version"] >= 0 and (self.pg is None or header["epoch"] != self.epoch):
+        if header["version"] >= 0 and (not self.formed or header["epoch"] != self.epoch):
             self._drop()
-            self.pg = self._form(header["epoch"])
+            self._form(header["epoch"])
         return header
 
     def receive(

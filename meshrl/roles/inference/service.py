@@ -82,7 +82,7 @@ class InferenceService(Service):
                 1 + len(members),
                 device=str(self.ctx.device),
             )
-            if self.weights.pg is None:  # re-joining a running run: the engine's weights are not current
+            if not self.weights.formed:  # re-joining a running run: the engine's weights are not current
                 self.engine.set_version(-1)
             threading.Thread(target=self.receive_weights, name="weights", daemon=True).start()
 

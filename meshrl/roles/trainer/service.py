@@ -316,10 +316,8 @@ class TrainerService(Service):
             if self.queued is not None:
                 self.queued.result()  # the previous publication is complete (or raises its failure)
             self.published = None  # at most one copy of the weights waits here
-            if self.weights.shm is not None:  # copied into shared memory and announced right here
-                self.weights.post(
-                    self.version, manifest, list(weights), bucket_bytes=self.config.bucket_mb << 20
-                )
+            if self.weights.shm is not None:  # copied into shared memory right here, no other copy
+                self.weights.stage(manifest, list(weights))
                 copies = None
             else:
                 copies = [t.detach().clone() for t in weights]
@@ -329,15 +327,12 @@ class TrainerService(Service):
         return time.perf_counter() - t0
 
     def _send(self, version: int, tensors: list[torch.Tensor] | None, final: bool, gate: bool = True) -> None:
-        """Publisher thread: the broadcast (unless posted through shared memory already), wait until every
-        replica has the version, then open the gate. What was sent stays for a replica that re-joins
-        before the next version (the copy, or the segment)."""
+        """Publisher thread: announce (the tensors are the copy, or None: staged in shared memory), the
+        broadcast if any, wait until every replica has the version, then open the gate. What was sent
+        stays for a replica that re-joins before the next version (the copy, or the segment)."""
         assert self.weights is not None
         t0 = time.perf_counter()
-        if self.weights.pending is None:
-            self.weights.post(
-                version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20
-            )
+        self.weights.post(version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20)
         self.weights.finish()
         self.published = (version, tensors)
         if gate:
