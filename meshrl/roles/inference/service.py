@@ -294,25 +294,26 @@ class InferenceService(Service):
             self.update_pending.set()
         # "continue" waits for the batch in progress to stop; "finish" loads directly only when no batch
         # is in progress (always, in lock-step), else stages a copy and swaps it in after the batch
-        held = self.lock.acquire(blocking=continuing)
-        staged: list[tuple[str, torch.Tensor]] = []
-
-        def applied() -> None:
-            nonlocal held
-            if held:
+        if not self.lock.acquire(blocking=continuing):  # a batch is in progress: stage, swap in after
+            staged: list[tuple[str, torch.Tensor]] = []
+            self.weights.receive(header, functools.partial(_stage, staged))  # the trainer is not held up
+            with self.lock:
+                self.engine.load_weights(staged)
                 self.engine.set_version(version)
-                self.lock.release()
-                held = False
-                self.update_pending.clear()
-            else:
-                with self.lock:
-                    self.engine.load_weights(staged)
-                    self.engine.set_version(version)
+            self.announce(version)
+            return version
+        held = True
+
+        def applied() -> None:  # every bucket is in: generate while the group's barrier completes
+            nonlocal held
+            self.engine.set_version(version)
+            self.lock.release()
+            held = False
+            self.update_pending.clear()
             self.announce(version)
 
         try:
-            apply = self.engine.load_weights if held else functools.partial(_stage, staged)
-            return self.weights.receive(header, apply, applied=applied)
+            return self.weights.receive(header, self.engine.load_weights, applied=applied)
         finally:
             if held:  # cut short: part old, part new; serve nothing until a complete version
                 self.engine.set_version(-1)
