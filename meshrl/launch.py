@@ -272,15 +272,19 @@ class Launcher:
         in_ring = any(m.group == group for r in self.recipe.rings for m in r.members)
         if not g.config.rejoins or in_ring or policy.mode != "on-failure" or done >= policy.max_restarts:
             return False
-        self.rejoined[group] = done + 1
         delay = policy.backoff_s * 2**done
-        print(f"[meshrl] {child.name} failed (exit code {child.poll()}); restarting it alone in {delay:.0f}s "
-              f"({done + 1}/{policy.max_restarts}); last lines of {child.log_path}:\n{_indent(child.tail(10))}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(delay)
+        # a run that is failing anyway (say the trainer this replica received weights from died) restarts
+        # as a whole from its checkpoint: no restart of this one process first
+        if (self.run_dir / "failure.json").exists():
+            return False
+        self.rejoined[group] = done + 1
+        print(f"[meshrl] {child.name} failed (exit code {child.poll()}); restarting it alone after a {delay:.0f}s "
+              f"back-off ({done + 1}/{policy.max_restarts}); last lines of {child.log_path}:\n"
+              f"{_indent(child.tail(10))}", file=sys.stderr, flush=True)  # fmt: skip
         with open(self.run_dir / "restarts.jsonl", "a") as f:
             f.write(json.dumps({"time": time.time(), "service": child.name, "group": group, "in_place": True,
                                 "code": child.poll()}) + "\n")  # fmt: skip
-        time.sleep(delay)
         child.stop()  # closes the old log handle
         child.start()
         self._write_pids()

@@ -45,10 +45,8 @@ from meshrl.dataplane.shm import Segment
 log = logging.getLogger("meshrl.weights")
 Manifest = list[tuple[str, tuple[int, ...], str]]
 Header = dict[str, Any]  # an announcement: version, epoch, tensors, buckets
-POLL = timedelta(minutes=10)
-BARRIER_POLL = timedelta(
-    seconds=2
-)  # how often the trainer looks for a replica re-joining meanwhile  # a store wait that times out logs a warning: wait long, then again
+POLL = timedelta(minutes=10)  # a store wait that times out logs a warning: wait long, then again
+BARRIER_POLL = timedelta(seconds=2)  # how often the trainer looks for a replica re-joining meanwhile
 
 
 class GroupBroken(RuntimeError):
