@@ -361,7 +361,13 @@ class WeightGroup:
         """Receivers: the trainer's segment at path `name` (mapped once; again when it is re-created)."""
         if self.segment is None or str(self.segment.path) != name:
             path = Path(name)
-            self.segment = Segment.open(str(path.parent), path.name)
+            try:
+                self.segment = Segment.open(str(path.parent), path.name)
+            except FileNotFoundError as e:
+                raise RuntimeError(
+                    f"weight receiver rank {self.rank}: the trainer's shared-memory segment {name} is not "
+                    "visible here; shared memory needs every inference replica on the trainer's host"
+                ) from e
         return torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=size)
 
 

@@ -87,7 +87,6 @@ class TrainerService(Service):
         self.weights: WeightGroup | None = None
         self.stream: Generator[Batch, None, None] | None = None
         self.publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publisher")
-        self.publishing: Future[None] | None = None
         self.publish_s = 0.0
         if self.rank == 0:
             self.gate_client = self.ctx.client(f"{self.ctx.name}-gate")
@@ -321,9 +320,7 @@ class TrainerService(Service):
                 copies = None
             else:
                 copies = [t.detach().clone() for t in weights]
-            self.queued = self.publishing = self.publisher.submit(
-                self._send, self.version, copies, final, gate
-            )
+            self.queued = self.publisher.submit(self._send, self.version, copies, final, gate)
         return time.perf_counter() - t0
 
     def _send(self, version: int, tensors: list[torch.Tensor] | None, final: bool, gate: bool = True) -> None:
@@ -394,8 +391,8 @@ class TrainerService(Service):
         t0 = time.perf_counter()
         run_dir = self.ctx.run_dir
         if self.rank == 0:
-            if self.publishing is not None:
-                self.publishing.result()  # the gate of this version is in the data plane
+            if self.queued is not None:
+                self.queued.result()  # the gate of this version is in the data plane
             self.client.flush()  # and so are this step's acks
             if tmp.exists():
                 shutil.rmtree(tmp)
