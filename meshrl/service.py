@@ -179,7 +179,9 @@ class Service:
             return
         t0 = time.perf_counter()
         self.restore()
-        self.ctx.health.info["restore_s"] = round(time.perf_counter() - t0, 4)
+        info = self.ctx.health.info
+        info["restores"] = info.get("restores", 0) + 1
+        info["restore_s"] = round(time.perf_counter() - t0, 4)
 
     # ---------------------------------------------------------------------------------------------------
     # run state

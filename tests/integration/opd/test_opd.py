@@ -105,19 +105,21 @@ def test_colocated_distillation_hands_the_devices_around_and_trains_only_on_scor
     assert acked == scored == steps * 128
     tally = account(run_dir / "ledger.jsonl")
     assert (tally.consumed, tally.duplicated, tally.unknown) == (steps * 128, 0, 0)
-    # hand-offs: each member offloaded after a turn of its own (the first offload is at joining), and
-    # the ring granted turns to more than one member
-    offloads: dict[str, int] = {}
-    holders: set[str] = set()
+    # hand-offs: each member had turns of its own (restored for it, offloaded after it; the first
+    # offload is at joining), and the ring counted the turns it granted. The holder at any instant is
+    # a sample, not a count, so the test reads the counters.
+    counts: dict[str, dict[str, int]] = {}
     turns = 0
     for s in snapshots:
         for svc in s["services"]:
-            offloads[svc["name"]] = max(offloads.get(svc["name"], 0), svc["health"].get("offloads", 0))
+            c = counts.setdefault(svc["name"], {})
+            for key in ("offloads", "restores"):
+                c[key] = max(c.get(key, 0), svc["health"].get(key, 0))
         for ring in s["rings"]:
             turns = max(turns, ring["turns"])
-            holders |= {ring["holder"]} - {None}
     for name in ("inference-0-0", "teacher-0-0", "trainer-0-0"):
-        assert offloads.get(name, 0) >= 2, (offloads, len(snapshots))
-    assert turns >= 3 and len(holders) >= 2, (turns, holders, len(snapshots))
+        c = counts.get(name, {})
+        assert c.get("offloads", 0) >= 2 and c.get("restores", 0) >= 1, (counts, len(snapshots))
+    assert turns >= 3, (turns, len(snapshots))
     sizes = {p.name: p.stat().st_size for p in (run_dir / "offload").iterdir()}
     assert min(sizes[f"{g}-0-0.bin"] for g in ("inference", "teacher", "trainer")) > 0, sizes
