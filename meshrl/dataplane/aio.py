@@ -93,8 +93,10 @@ class AsyncClient:
         *,
         meta: Sequence[P.Meta] | None = None,
         timeout: float = 30.0,
+        key: str | None = None,
     ) -> np.ndarray:
-        prepared = self.core.prepare_put(partition, columns, ids, meta, timeout)
+        """See `Client.put`."""
+        prepared = self.core.prepare_put(partition, columns, ids, meta, timeout, key)
         try:
             reply: Any = await self._call(prepared.msg, timeout + self.timeout)
         except DataPlaneError as e:

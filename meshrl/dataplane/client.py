@@ -96,6 +96,7 @@ class _Core:
         ids: Sequence[int] | np.ndarray | None,
         meta: Sequence[P.Meta] | None,
         timeout: float,
+        key: str | None = None,
     ) -> _PreparedPut:
         assert self.pool is not None
         if not columns:
@@ -151,6 +152,7 @@ class _Core:
             ids=None if ids is None else np.asarray(ids, dtype="<i8").tobytes(),
             meta=None if meta is None else [dict(m) for m in meta],
             timeout=timeout,
+            key=key,
         )
         return _PreparedPut(seg, msg)
 
@@ -405,18 +407,21 @@ class Client:
         meta: Sequence[P.Meta] | None = None,
         timeout: float = 30.0,
         wait: bool = True,
+        key: str | None = None,
     ) -> Any:
         """Write new rows (ids=None) or more columns of existing rows. Returns the row ids.
 
         Blocks while the partition is full, up to `timeout` seconds, then raises `PartitionFull`.
         A row's `meta["group"]` (an int) groups rows for whole-group claims. With `wait=False` the
         call returns a `PendingPut` at once (after copying the data) and blocks only when
-        `max_inflight` puts are unanswered.
+        `max_inflight` puts are unanswered. A `key` makes the put idempotent: the controller applies
+        the first put under a key and answers a repeat (say, by a restarted producer that cannot know
+        whether its predecessor's put went through) with the same ids, writing nothing.
         """
         while len(self._inflight_puts) >= self.max_inflight:
             self._inflight_puts[0].result()
         self._check_unconfirmed(block=False)
-        prepared = self.core.prepare_put(partition, columns, ids, meta, timeout)
+        prepared = self.core.prepare_put(partition, columns, ids, meta, timeout, key)
         # On a transport error the segment stays busy: the controller may have applied the put, and a
         # segment that rows might reference is only recycled once the controller releases it.
         pending = PendingPut(self, self._send(prepared.msg), prepared, timeout + self.timeout)

@@ -19,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from meshrl.dataplane.wire import connect_client, host_id
 log = logging.getLogger("meshrl.controller")
 
 MAX_RELEASED_PER_CLIENT = 64
+PUT_KEYS = 4096  # idempotency keys remembered (a producer repeats at most its last few puts)
 STORAGE_TIMEOUT_S = 600.0
 
 
@@ -94,6 +95,7 @@ class Controller:
         self.next_id = 0
         self.next_seg = 0
         self.next_claim = 1
+        self.put_keys: OrderedDict[str, bytes] = OrderedDict()  # idempotency key -> ids, the latest
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._waiting_hosts: set[str] = set()
@@ -304,6 +306,13 @@ class Controller:
         return self._do_put(part, msg)
 
     def _do_put(self, part: Partition, msg: P.Put) -> P.PutReply:
+        client = self.clients.get(msg.client)
+        if msg.key is not None and (done := self.put_keys.get(msg.key)) is not None:
+            # a repeat of an applied put: the same ids, nothing written, the segment back to its owner
+            released = [msg.segment.name]
+            if client is not None:
+                released, client.released = released + client.released, []
+            return P.PutReply(ids=done, released=released)
         index = self.seg_by_name.get(msg.segment.name)
         if index is None:
             index = self.next_seg
@@ -326,12 +335,16 @@ class Controller:
         if msg.ids is None:
             self.next_id += msg.n
         info.refs += refs
-        client = self.clients.get(msg.client)
         released: list[str] = []
         if client is not None:
             released, client.released = client.released, []
+        reply = P.PutReply(ids=ids.astype("<i8").tobytes(), released=released)
+        if msg.key is not None:
+            self.put_keys[msg.key] = reply.ids
+            if len(self.put_keys) > PUT_KEYS:
+                self.put_keys.popitem(last=False)
         self._serve_claims(part)
-        return P.PutReply(ids=ids.astype("<i8").tobytes(), released=released)
+        return reply
 
     def _claim(self, conn: Connection, rid: bytes, msg: P.Claim) -> msgspec.Struct | None:
         part = self._partition(msg.partition)

@@ -110,6 +110,7 @@ class Put(msgspec.Struct, tag="put", frozen=True):
     ids: bytes | None = None
     meta: list[Meta] | None = None
     timeout: float = 30.0
+    key: str | None = None  # idempotency key: a put repeated under the same key is applied once
 
 
 class Claim(msgspec.Struct, tag="claim", frozen=True):

@@ -237,3 +237,26 @@ def test_stream_and_async_acks(plane):
         c.flush()
         assert seen == list(range(40))
         assert c.status().partitions[0].rows == 0
+
+
+def test_a_put_repeated_under_its_key_is_applied_once(plane, tmp_path):
+    """A restarted producer cannot know whether its predecessor's last put went through: it repeats the
+    put under the same key and gets the same ids, and the table and the ledger hold the rows once."""
+    with Client(plane.controller, name="feeder") as c:
+        c.create_partition("rows", 64, delete_when_acked_by=["reader"])
+        first = c.put("rows", {"x": torch.arange(4)}, meta=[{"group": 1}] * 4, key="feeder/feed/1")
+        # consumed and deleted meanwhile: the key still answers, no rows come back to life
+        batch = c.claim("rows", "reader", ["x"], 8)
+        assert batch.ids.tolist() == first.tolist()
+        c.ack(batch)
+    with Client(plane.controller, name="feeder") as again:  # the restarted process: a new connection
+        repeat = again.put("rows", {"x": torch.arange(4) + 100}, meta=[{"group": 1}] * 4, key="feeder/feed/1")
+        assert repeat.tolist() == first.tolist()
+        assert again.claim("rows", "reader", ["x"], 8, timeout=0.2).ids.tolist() == []
+        fresh = again.put("rows", {"x": torch.arange(2)}, key="feeder/feed/2")
+        assert fresh.tolist() == [first[-1] + 1, first[-1] + 2]
+        # the repeated put's segment went back to the producer: many repeats do not pile segments up
+        for _ in range(20):
+            again.put("rows", {"x": torch.arange(4)}, key="feeder/feed/1")
+        assert len(again.core.pool._busy) <= 2, again.core.pool._busy
+        assert again.status().partitions[0].rows == 2
