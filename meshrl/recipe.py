@@ -48,9 +48,10 @@ class ServiceConfig:
     """Takes part in checkpoints (saves its own state when the trainer asks; see meshrl/checkpoint.py)."""
     rejoins: ClassVar[bool] = False
     """A replica restarted on its own re-joins the running run: it keeps no state of the run (a frozen
-    scorer; inference, which gets the current weights when it re-joins the weight group). Under an
-    on-failure policy its launcher restarts just that process, outside colocation rings; any other
-    failure restarts the whole run from a checkpoint."""
+    scorer; inference, which gets the current weights when it re-joins the weight group), or takes
+    over the state its predecessor wrote ahead of every change (rollout). Under an on-failure policy
+    its launcher restarts just that process, outside colocation rings; any other failure restarts the
+    whole run from a checkpoint."""
 
     def reads(self) -> Columns:
         """Columns this service consumes, per partition."""

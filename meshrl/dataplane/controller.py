@@ -309,10 +309,10 @@ class Controller:
         client = self.clients.get(msg.client)
         if msg.key is not None and (done := self.put_keys.get(msg.key)) is not None:
             # a repeat of an applied put: the same ids, nothing written, the segment back to its owner
-            released = [msg.segment.name]
+            back = [msg.segment.name]
             if client is not None:
-                released, client.released = released + client.released, []
-            return P.PutReply(ids=done, released=released)
+                back, client.released = back + client.released, []
+            return P.PutReply(ids=done, released=back)
         index = self.seg_by_name.get(msg.segment.name)
         if index is None:
             index = self.next_seg

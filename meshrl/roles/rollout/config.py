@@ -23,6 +23,7 @@ BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}
 class RolloutConfig(ServiceConfig):
     service = "meshrl.roles.rollout.service:RolloutService"
     stateful = True
+    rejoins = True  # a restarted replica continues from the state its predecessor wrote ahead of each change
 
     model: str
     """Local path of the policy; rollout uses its tokenizer."""

@@ -12,6 +12,13 @@ Four asyncio tasks share one data-plane client:
   <run_dir>/eval.jsonl.
 After the final gate and its evaluation, rollout ends the run.
 
+Re-joining: a rollout process restarted on its own (an on-failure policy) continues where its
+predecessor stopped, while the others run on. Before each change takes effect in the data plane, the
+service writes its whole state to `<run_dir>/rejoin/<process>.<launch>.json`, with the puts in flight
+(under idempotency keys, so the successor repeats them safely) and the groups and evaluation rows being
+handled (counted already: when their rows come back, the rows the predecessor had claimed, they are
+finished without being counted twice).
+
 A reward function that raises marks that sample failed (valid = False, excluded from the loss); more
 than `max_failed_fraction` failures stop the run with the first traceback.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import os
 import random
 import time
 import traceback
@@ -38,6 +46,7 @@ from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.protocol import Meta
 from meshrl.roles import EVAL, GATE, SAMPLES
 from meshrl.roles.rollout.config import BUILTIN_TASKS, RolloutConfig
+from meshrl.roles.scorer import put_missing_async
 from meshrl.service import WATCH_S, Service
 
 RewardFn = Callable[[str, str, dict[str, Any]], float]
@@ -70,13 +79,29 @@ class RolloutService(Service):
         self.started = self.scored = self.failed = self.skipped = 0
         self.first_failure: str | None = None
         self.gates = 0
+        self.last_gate = -1  # version of the last gate row counted (a restarted process sees it again)
         self.final_version: int | None = None
         self.changed = asyncio.Event()
         self.eval_pending: dict[int, int] = {}  # version -> rows not back yet
         self.eval_results: dict[int, list[tuple[bool, float]]] = {}
         self.group_seq = self.ctx.replica.index * 10**12
         self.eval_file = self.ctx.run_dir / "eval.jsonl"
+        self.recorded: set[int] = set()  # versions whose evaluation is in eval.jsonl
+        # effects in flight, in the state file so that a successor completes them: puts by key, and the
+        # groups / evaluation rows whose counts are in but whose rows are not acknowledged yet
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.handling: set[int] = set()
+        self.handling_eval: set[int] = set()
+        self.replay: set[int] = set()  # groups a predecessor counted: finish them, do not count them
+        self.replay_eval: set[int] = set()  # evaluation row ids likewise
+        launch = os.environ.get("MESHRL_LAUNCH", "0")
+        self.state_file = self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}.json"
         resume = ckpt.resume_dir()
+        if self.state_file.exists():
+            self.rejoin()
+            return
+        for old in self.state_file.parent.glob(f"{self.ctx.name}.*.json"):  # earlier launches'
+            old.unlink()
         if resume is not None:
             self.load_state(resume / f"{self.ctx.name}.json")
         elif self.ctx.replica.index == 0:
@@ -104,6 +129,8 @@ class RolloutService(Service):
             asyncio.create_task(t)
             for t in (self.watch_gates(), self.feed(), self.score(), self.collect_eval(), checkpoints)
         }
+        for key in list(self.pending):  # a predecessor's puts that may not have happened
+            await self.put_pending(key)
         try:
             while not (run_over.done() or all_done.done()):
                 finished, _ = await asyncio.wait([*tasks, run_over, all_done], return_when="FIRST_COMPLETED")
@@ -114,6 +141,7 @@ class RolloutService(Service):
                 run_over.result()  # ended by someone else, or failed elsewhere
             else:
                 self.finish_run()
+                self.state_file.unlink(missing_ok=True)
         finally:
             for t in [*tasks, run_over, all_done]:
                 t.cancel()
@@ -124,7 +152,7 @@ class RolloutService(Service):
     # checkpoints
 
     STATE = ("order", "epoch", "cursor", "started", "scored", "failed", "skipped", "filtered", "refill",
-             "group_seq", "gates", "final_version")  # fmt: skip
+             "group_seq", "gates", "last_gate", "final_version")  # fmt: skip
 
     def save_state(self, directory: Path) -> None:
         """Everything needed to continue exactly here (called paused, between pieces of work)."""
@@ -151,6 +179,57 @@ class RolloutService(Service):
             ckpt.truncate_jsonl(self.eval_file, state["eval_lines"])
         self.log.info("resumed from %s: %d samples started, %d scored", path, self.started, self.scored)
 
+    # ---------------------------------------------------------------------------------------------------
+    # re-joining
+
+    def persist(self) -> None:
+        """Write the state, ahead of the data-plane effect about to happen (no fsync: it outlives this
+        process, which is what it is for; a lost machine restarts the run from its checkpoint)."""
+        state = {k: getattr(self, k) for k in self.STATE if k != "order"}
+        state.update(
+            kl_coef=self.kl.coef,
+            eval_pending={str(k): v for k, v in self.eval_pending.items()},
+            eval_results={str(k): v for k, v in self.eval_results.items()},
+            pending=self.pending,
+            replay=sorted(self.replay | self.handling),
+            replay_eval=sorted(self.replay_eval | self.handling_eval),
+        )
+        self.state_file.parent.mkdir(exist_ok=True)
+        tmp = self.state_file.with_name(self.state_file.name + ".part")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_file)
+
+    def rejoin(self) -> None:
+        """Take over from a predecessor of this launch: its state, the dataset order at its epoch (the same
+        shuffles from the same seed), and what it left in flight."""
+        state = json.loads(self.state_file.read_text())
+        for k in self.STATE:
+            if k != "order":
+                setattr(self, k, state[k])
+        for _ in range(self.epoch + 1):
+            self.order = list(range(len(self.train_rows)))
+            self.rng.shuffle(self.order)
+        self.kl.coef = state["kl_coef"]
+        self.eval_pending = {int(k): v for k, v in state["eval_pending"].items()}
+        self.eval_results = {int(k): [tuple(x) for x in v] for k, v in state["eval_results"].items()}
+        self.pending = state["pending"]
+        self.replay, self.replay_eval = set(state["replay"]), set(state["replay_eval"])
+        if self.eval_file.exists():
+            self.recorded = {json.loads(line)["version"] for line in self.eval_file.read_text().splitlines()}
+        self.log.info(
+            "re-joined the run: %d samples started, %d scored, %d gates, %d puts to repeat",
+            self.started, self.scored, self.gates, len(self.pending),
+        )  # fmt: skip
+
+    async def put_pending(self, key: str) -> None:
+        """Make the put recorded under `key` (again: the data plane applies a key once), then forget it."""
+        what = self.pending[key]
+        if what["kind"] == "feed":
+            await self.put_groups(key, [tuple(g) for g in what["groups"]])
+        else:
+            await self.put_eval(key, int(what["version"]))
+        del self.pending[key]
+
     def check_done(self) -> None:
         """The run is over for rollout once the final version is in and its evaluation recorded."""
         if self.final_version is not None and not self.eval_pending and self.scored >= self.total:
@@ -167,16 +246,27 @@ class RolloutService(Service):
                 continue
             async with self.pause.work():
                 for version, meta in zip(batch.tensor("version").tolist(), batch.meta or [], strict=False):
+                    if version <= self.last_gate:  # counted by a predecessor that died before its ack
+                        continue
                     self.gates += 1
+                    self.last_gate = int(version)
                     final = bool(meta and meta.get("final"))
+                    key = None
                     if self.eval_rows and (
                         version == 0
                         or final
                         or (self.config.eval_every and version % self.config.eval_every == 0)
                     ):
-                        await self.submit_eval(int(version))
+                        self.eval_pending[version] = len(self.eval_rows) * (1 + self.config.eval_samples)
+                        self.eval_results[version] = []
+                        key = f"{self.ctx.name}/eval/{version}"
+                        self.pending[key] = {"kind": "eval", "version": int(version)}
                     if final:
                         self.final_version = int(version)
+                    self.persist()
+                    if key is not None:
+                        await self.put_pending(key)
+                    if final:
                         self.check_done()
                 self.ctx.health.info.update(
                     gates=self.gates, started=self.started, scored=self.scored, failed=self.failed
@@ -212,26 +302,34 @@ class RolloutService(Service):
                 if room < cfg.group_size:
                     continue
                 prompts = min(room // cfg.group_size, cfg.prompts_per_step)
-                rows: list[torch.Tensor] = []
-                meta: list[Meta] = []
-                while len(rows) < prompts * cfg.group_size:
-                    index, tokens = self.next_prompt()
+                groups: list[tuple[int, int, int, int]] = []  # (group, prompt id, epoch, min version)
+                tokens: dict[int, torch.Tensor] = {}
+                while len(groups) < prompts:
+                    index, tokens[index] = self.next_prompt()
                     self.group_seq += 1
                     # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
-                    need = self.refill.pop(0) if self.refill else self.min_version(self.started + len(rows))
-                    rows += [tokens] * cfg.group_size
-                    meta += [
-                        {
-                            "group": self.group_seq,
-                            "member": k,
-                            "prompt_id": index,
-                            "epoch": self.epoch,
-                            "min_version": need,
-                        }
-                        for k in range(cfg.group_size)
-                    ]
-                await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600)
-                self.started += len(rows)
+                    started = self.started + len(groups) * cfg.group_size
+                    need = self.refill.pop(0) if self.refill else self.min_version(started)
+                    groups.append((self.group_seq, index, self.epoch, need))
+                self.started += len(groups) * cfg.group_size
+                key = f"{self.ctx.name}/feed/{groups[0][0]}"
+                self.pending[key] = {"kind": "feed", "groups": groups}
+                self.persist()
+                await self.put_groups(key, groups, tokens)
+                del self.pending[key]
+
+    async def put_groups(
+        self, key: str, groups: list[tuple[int, int, int, int]], tokens: dict[int, torch.Tensor] | None = None
+    ) -> None:
+        """`group_size` rows per group into `samples`, under the idempotency key `key`."""
+        n = self.config.group_size
+        rows: list[torch.Tensor] = []
+        meta: list[Meta] = []
+        for group, index, epoch, need in groups:
+            rows += [tokens[index] if tokens else self.encode(self.train_rows[index])] * n
+            meta += [{"group": group, "member": k, "prompt_id": index, "epoch": epoch, "min_version": need}
+                     for k in range(n)]  # fmt: skip
+        await self.client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600, key=key)
 
     def next_prompt(self) -> tuple[int, torch.Tensor]:
         """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""
@@ -293,28 +391,40 @@ class RolloutService(Service):
                 members = torch.tensor(batch.meta_of("member", 0), dtype=torch.int64)
                 index = keep.nonzero().squeeze(-1)
                 index = index[torch.argsort(groups[index] * 65536 + members[index], stable=True)]
-                if len(index):
-                    out = self.advantages(batch, index, reward[index], groups[index], valid[index])
-                    await self.client.put(SAMPLES, out, ids=batch.ids[index.numpy()])
-                await self.client.ack(batch)
+                out = (
+                    self.advantages(batch, index, reward[index], groups[index], valid[index])
+                    if len(index)
+                    else {}
+                )
+                # counted here, before the effects: rows of groups a predecessor counted are only finished
+                new = torch.tensor([int(g) not in self.replay for g in groups.tolist()], dtype=torch.bool)
+                self.failed += int((~valid & new).sum())
+                self.handling = set(groups.tolist())
+                self.replay -= self.handling
+                drop = ~keep & new
                 dropped = batch.ids[(~keep).numpy()]
-                if len(dropped):  # DAPO: no signal in these groups; feed draws new prompts in their place
+                if bool(drop.any()):  # DAPO: no signal in these groups; feed draws new prompts in their place
                     needs = batch.meta_of("min_version", 0)
-                    lost = {
-                        int(groups[i]): int(needs[i] or 0) for i in (~keep).nonzero().squeeze(-1).tolist()
-                    }
+                    lost = {int(groups[i]): int(needs[i] or 0) for i in drop.nonzero().squeeze(-1).tolist()}
                     self.refill += list(lost.values())
-                    await self.client.delete(SAMPLES, dropped)
-                    self.filtered += len(dropped)
-                    self.started -= len(dropped)
+                    self.filtered += int(drop.sum())
+                    self.started -= int(drop.sum())
                     self.changed.set()
+                self.scored += int((keep & new).sum())
+                self.persist()
+                if len(index):
+                    await put_missing_async(self.client, SAMPLES, out, batch.ids[index.numpy()])
+                await self.client.ack(batch)
+                if len(dropped):
+                    await self.client.delete(SAMPLES, dropped)
+                self.handling = set()
+                if bool(drop.any()):
                     drawn = self.scored + self.filtered
                     if drawn >= 4 * cfg.batch_size and self.filtered > cfg.max_filtered_fraction * drawn:
                         raise RuntimeError(
                             f"dynamic sampling dropped {self.filtered} of {drawn} samples (max_filtered_fraction="
                             f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
                         )
-                self.scored += len(index)
                 self.check_done()
                 self.ctx.health.info.update(
                     scored=self.scored, failed=self.failed, skipped=self.skipped, filtered=self.filtered
@@ -343,9 +453,8 @@ class RolloutService(Service):
                 if value != value or value in (float("inf"), float("-inf")):
                     raise ValueError(f"reward function returned {value}")
                 out[i] = value
-            except Exception:
+            except Exception:  # counted by the caller
                 valid[i] = False
-                self.failed += 1
                 if self.first_failure is None:
                     self.first_failure = traceback.format_exc()
                     self.log.error("reward function failed on prompt %s:\n%s", pid, self.first_failure)
@@ -429,7 +538,8 @@ class RolloutService(Service):
     # ---------------------------------------------------------------------------------------------------
     # evaluation
 
-    async def submit_eval(self, version: int) -> None:
+    async def put_eval(self, key: str, version: int) -> None:
+        """The held-out prompts for `version`: one greedy and `eval_samples` sampled rows each."""
         prompts: list[torch.Tensor] = []
         meta: list[Meta] = []
         for index, row in enumerate(self.eval_rows):
@@ -438,9 +548,7 @@ class RolloutService(Service):
                 prompts.append(tokens)
                 meta.append({"eval_version": version, "greedy": k == 0, "prompt_id": index, "member": k,
                              "min_version": version})  # fmt: skip
-        self.eval_pending[version] = len(prompts)
-        self.eval_results[version] = []
-        await self.client.put(EVAL, {"prompt": prompts}, meta=meta, timeout=3600)
+        await self.client.put(EVAL, {"prompt": prompts}, meta=meta, timeout=3600, key=key)
 
     async def collect_eval(self) -> None:
         while True:
@@ -449,23 +557,36 @@ class RolloutService(Service):
                 continue
             async with self.pause.work():
                 rewards, valid = self.rewards(batch, self.eval_rows)
-                for version, greedy, r, ok in zip(
+                ids = batch.ids.tolist()
+                for rid, version, greedy, r, ok in zip(
+                    ids,
                     batch.meta_of("eval_version"),
                     batch.meta_of("greedy"),
                     rewards.tolist(),
                     valid.tolist(),
                     strict=True,
                 ):
+                    if rid in self.replay_eval:  # a predecessor counted it
+                        continue
                     self.eval_results[version].append((bool(greedy), r if ok else 0.0))
                     self.eval_pending[version] -= 1
-                await self.client.ack(batch)
-                await self.client.delete(EVAL, batch.ids)
-                for version in [v for v, left in self.eval_pending.items() if left == 0]:
+                self.handling_eval = set(ids)
+                self.replay_eval -= self.handling_eval
+                complete = [v for v, left in self.eval_pending.items() if left == 0]
+                for version in complete:
                     del self.eval_pending[version]
                     self.record_eval(version, self.eval_results.pop(version))
+                self.persist()
+                await self.client.ack(batch)
+                await self.client.delete(EVAL, batch.ids)
+                self.handling_eval = set()
+                if complete:
                     self.check_done()
 
     def record_eval(self, version: int, results: list[tuple[bool, float]]) -> None:
+        if version in self.recorded:  # by a predecessor that died before its state said so
+            return
+        self.recorded.add(version)
         greedy = [r for g, r in results if g]
         sampled = [r for g, r in results if not g]
         row = {
