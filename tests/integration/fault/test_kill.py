@@ -139,7 +139,12 @@ def test_rollout_killed_again_and_again_continues_in_place_exactly(tmp_path, ari
     wherever it happens to be) restarts alone each time and continues from the state it wrote ahead of
     each change: every step runs, each sample is trained on once, each evaluation is recorded once, and
     the losses equal those of an uninterrupted run bit for bit."""
-    common = [f"*.model={arith_model}", f"total_steps={STEPS}", "rollout.eval_every=2", "rollout.eval_samples=1"]
+    common = [
+        f"*.model={arith_model}",
+        f"total_steps={STEPS}",
+        "rollout.eval_every=2",
+        "rollout.eval_samples=1",
+    ]
     run_dir = tmp_path / "run"
     proc = start(tmp_path, *common, "rollout.restart.mode=on-failure", "rollout.restart.max_restarts=3",
                  "rollout.restart.backoff_s=0.2", f"run_dir={run_dir}")  # fmt: skip
@@ -149,7 +154,9 @@ def test_rollout_killed_again_and_again_continues_in_place_exactly(tmp_path, ari
     for at in sorted(rng.sample(range(1, STEPS - 1), 3)):
         # the step reached, and the previous victim's successor running
         while steps_done(run_dir) < at or pid_of(run_dir, "rollout") == killed:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.15))  # somewhere inside the next step
         killed = kill(run_dir, "rollout")
