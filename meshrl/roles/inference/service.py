@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from meshrl import hybrid
-from meshrl.dataplane import AsyncClient, Batch
+from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles import EVAL, SAMPLES
 from meshrl.roles.inference.config import InferenceConfig
@@ -408,9 +409,12 @@ class InferenceService(Service):
         self.generated += len(prompts)
         self.ctx.health.info.update(batches=self.batches, generated=self.generated)
         n = len(prompts)
-        return {
-            "response": [torch.tensor(t, dtype=torch.int64) for t in tokens],
-            "logprobs": [torch.tensor(lp, dtype=torch.float32) for lp in logprobs],
+        lengths = [len(t) for t in tokens]
+        return {  # ragged columns built flat: one tensor each, not one per row
+            "response": Ragged(torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.int64), lengths),
+            "logprobs": Ragged(
+                torch.tensor(list(itertools.chain.from_iterable(logprobs)), dtype=torch.float32), lengths
+            ),
             "version": torch.tensor(list(zip(first, last, strict=True)), dtype=torch.int64).view(n, 2),
             "gen_s": torch.full((n,), gen_s, dtype=torch.float32),
             "gen_batch": torch.full(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import json
 import os
 import random
@@ -436,18 +437,21 @@ class RolloutService(Service):
                     )
 
     def rewards(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = torch.zeros(len(batch), dtype=torch.float32)
-        valid = torch.ones(len(batch), dtype=torch.bool)
         if self.reward_fn is None:  # no rule: evaluation has nothing to measure
-            return out, valid
+            return torch.zeros(len(batch), dtype=torch.float32), torch.ones(len(batch), dtype=torch.bool)
+        out = [0.0] * len(batch)
+        valid = [True] * len(batch)
         responses = batch.ragged("response")
         eos = set(self.tokenizer.all_special_ids) & {self.tokenizer.eos_token_id}
-        for i, (pid, tokens) in enumerate(zip(batch.meta_of("prompt_id"), responses, strict=True)):
+        flat, bounds = responses.values.tolist(), responses.offsets.tolist()
+        answers = []
+        for a, b in itertools.pairwise(bounds):
+            while b > a and flat[b - 1] in eos:  # the stop token is not part of the answer
+                b -= 1
+            answers.append(flat[a:b])
+        texts = self.tokenizer.batch_decode(answers, skip_special_tokens=False)
+        for i, (pid, completion) in enumerate(zip(batch.meta_of("prompt_id"), texts, strict=True)):
             row = rows[int(pid)]
-            ids = tokens.tolist()
-            while ids and ids[-1] in eos:  # the stop token is not part of the answer
-                ids.pop()
-            completion = str(self.tokenizer.decode(ids, skip_special_tokens=False))
             try:
                 value = float(self.reward_fn(str(row[self.config.prompt_field]), completion, row))
                 if value != value or value in (float("inf"), float("-inf")):
@@ -458,7 +462,7 @@ class RolloutService(Service):
                 if self.first_failure is None:
                     self.first_failure = traceback.format_exc()
                     self.log.error("reward function failed on prompt %s:\n%s", pid, self.first_failure)
-        return out, valid
+        return torch.tensor(out, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool)
 
     def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The reward trained on: weighted rule reward + weighted reward-model score + overlong penalty."""
