@@ -411,7 +411,9 @@ class InferenceService(Service):
         n = len(prompts)
         lengths = [len(t) for t in tokens]
         return {  # ragged columns built flat: one tensor each, not one per row
-            "response": Ragged(torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.int64), lengths),
+            "response": Ragged(
+                torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.int64), lengths
+            ),
             "logprobs": Ragged(
                 torch.tensor(list(itertools.chain.from_iterable(logprobs)), dtype=torch.float32), lengths
             ),
