@@ -12,6 +12,7 @@ at the controller, which answers as soon as rows are ready; nothing polls.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
 import threading
@@ -69,6 +70,9 @@ class _PreparedPut:
     msg: P.Put
 
 
+_POOLS = itertools.count()
+
+
 class _Core:
     """Transport-independent client logic shared by the blocking and asyncio clients."""
 
@@ -84,8 +88,9 @@ class _Core:
 
     def on_hello(self, reply: P.HelloReply) -> None:
         # the pid keeps a restarted process (same client name, restored run) clear of its predecessor's
-        # segments, which a restored data plane may still hold
-        self.pool = SegmentPool(reply.shm_dir, f"meshrl-{reply.run}-{self.name}-{os.getpid()}")
+        # segments, which a restored data plane may still hold; the count keeps two clients of one name
+        # in one process clear of each other's
+        self.pool = SegmentPool(reply.shm_dir, f"meshrl-{reply.run}-{self.name}-{os.getpid()}-{next(_POOLS)}")
         self.maps = MapCache(reply.shm_dir)
         self.storages = dict(reply.storages)
 
@@ -229,7 +234,10 @@ def _runs(col: P.ColumnRead) -> list[tuple[int, int, int]]:
     if not len(seg):
         return []
     nbytes = length * item
-    breaks = np.flatnonzero((seg[1:] != seg[:-1]) | (off[1:] != off[:-1] + nbytes[:-1])) + 1
+    ends = off + nbytes
+    if seg[0] == seg[-1] and (seg == seg[0]).all() and (off[1:] == ends[:-1]).all():  # one write, in order
+        return [(int(seg[0]), int(off[0]), int(ends[-1] - off[0]))]
+    breaks = np.flatnonzero((seg[1:] != seg[:-1]) | (off[1:] != ends[:-1])) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(seg)]))
     csum = np.concatenate(([0], np.cumsum(nbytes)))
