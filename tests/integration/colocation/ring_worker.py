@@ -47,9 +47,14 @@ def main() -> None:
                 if not member.holding:
                     note("request")
                 with member.turn():
+                    if not os.path.exists(log_path + ".held"):
+                        open(log_path + ".held", "w").close()
                     time.sleep(0.002)  # a slice of work; a safe point follows
         else:
-            time.sleep(0.3)  # the fallback, asking at once, holds the token first
+            # the fallback, asking at once, holds the token first: wait for its first turn (a fixed
+            # sleep was not enough when seven processes started at once on a loaded machine)
+            while "fallback" in spec["modes"] and not os.path.exists(log_path + ".held"):
+                time.sleep(0.01)
             for _ in range(int(turns)):
                 time.sleep(rng.uniform(0, 0.03))
                 note("request")
