@@ -21,7 +21,7 @@ run: $(STAMP)
 
 # The whole suite: lint, format check, type check, then every test that runs on this machine.
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q -m "slow or not slow" --durations=30
 
 # The vLLM engine's tests, in an environment of their own (the default one stays lean): vLLM's CPU
 # build is ~3.5 GB and brings CUDA builds of torchvision/torchaudio/torchcodec that break its import.
