@@ -165,20 +165,27 @@ async def take_part(
         batch = await client.claim(CHECKPOINT, name, ["step"], 16, timeout=WATCH_S)
         if not batch:
             continue
-        # acknowledged before answering, so the snapshot that follows the answer never holds the
-        # request as pending (a restored run would otherwise see it again)
-        await client.ack(batch)
         for step, meta in zip(batch.tensor("step").tolist(), batch.meta or [], strict=True):
             meta = meta or {}
             if meta.get(DONE):
                 pause.release()
                 continue
-            if not Path(meta["dir"]).is_dir():  # a request of a checkpoint that no longer exists
+            directory = Path(meta["dir"])
+            if not directory.is_dir():  # committed (renamed) or abandoned: nothing to answer
                 continue
             if reach is not None:
                 await reach(step)
             await pause.hold()
-            result = save(Path(meta["dir"]))
-            if result is not None:
-                await result
+            try:
+                result = save(directory)
+                if result is not None:
+                    await result
+            except FileNotFoundError:
+                if directory.is_dir():
+                    raise
+                continue  # committed meanwhile without this answer; its `done` row releases the pause
             await client.put(CHECKPOINT_ACKS, {"step": torch.tensor([step])}, meta=[{"by": name}])
+        # Acknowledged once answered: a process killed in between is restarted (in place, or with the
+        # run) and answers again; the trainer ignores a second answer. A request that comes back after
+        # its checkpoint was committed (from the snapshot, which holds it claimed) finds no directory.
+        await client.ack(batch)

@@ -130,8 +130,9 @@ class RolloutService(Service):
             asyncio.create_task(t)
             for t in (self.watch_gates(), self.feed(), self.score(), self.collect_eval(), checkpoints)
         }
-        for key in list(self.pending):  # a predecessor's puts that may not have happened
-            await self.put_pending(key)
+        async with self.pause.work():  # not paused for a checkpoint until they are in the data plane
+            for key in list(self.pending):  # a predecessor's puts that may not have happened
+                await self.put_pending(key)
         try:
             while not (run_over.done() or all_done.done()):
                 finished, _ = await asyncio.wait([*tasks, run_over, all_done], return_when="FIRST_COMPLETED")
@@ -164,6 +165,9 @@ class RolloutService(Service):
             eval_pending={str(k): v for k, v in self.eval_pending.items()},
             eval_results={str(k): v for k, v in self.eval_results.items()},
             eval_lines=len(self.eval_file.read_text().splitlines()) if self.eval_file.exists() else 0,
+            # a successor's rows still to finish uncounted (the snapshot holds their claims)
+            replay=sorted(self.replay),
+            replay_eval=sorted(self.replay_eval),
         )
         ckpt.save_json(directory / f"{self.ctx.name}.json", state)
 
@@ -176,6 +180,7 @@ class RolloutService(Service):
         self.kl.coef = state["kl_coef"]
         self.eval_pending = {int(k): v for k, v in state["eval_pending"].items()}
         self.eval_results = {int(k): [tuple(x) for x in v] for k, v in state["eval_results"].items()}
+        self.replay, self.replay_eval = set(state.get("replay", ())), set(state.get("replay_eval", ()))
         if self.ctx.replica.index == 0:
             ckpt.truncate_jsonl(self.eval_file, state["eval_lines"])
         self.log.info("resumed from %s: %d samples started, %d scored", path, self.started, self.scored)
