@@ -272,6 +272,10 @@ class Launcher:
         in_ring = any(m.group == group for r in self.recipe.rings for m in r.members)
         if not g.config.rejoins or in_ring or policy.mode != "on-failure" or done >= policy.max_restarts:
             return False
+        # replicas of a stateful service (rollout) share their claims: a successor could not tell the rows
+        # its predecessor had counted from rows another replica handed back, so the run restarts instead
+        if g.config.stateful and g.replicas > 1:
+            return False
         delay = policy.backoff_s * 2**done
         time.sleep(delay)
         # a run that is failing anyway (say the trainer this replica received weights from died) restarts
