@@ -40,6 +40,7 @@ from meshrl.engines.base import (
 )
 
 INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
+SHUTDOWN_S = 30.0  # grace for vLLM's processes to exit (and unlink their shared memory) on close
 
 
 def available() -> bool:
@@ -227,8 +228,10 @@ class VLLMEngine(InferenceEngine):
 
     def close(self) -> None:
         """Stop vLLM's engine-core and worker processes (left to exit hooks, they leak their shared
-        memory segments in /dev/shm, and a process that leaves with os._exit would orphan them)."""
-        self.engine.engine_core.shutdown()
+        memory segments in /dev/shm, and a process that leaves with os._exit would orphan them). vLLM
+        kills what has not exited 5 s after its SIGTERM by default, and a killed engine core leaves its
+        segment behind: on a slow machine that took longer, hence the longer grace."""
+        self.engine.engine_core.shutdown(timeout=SHUTDOWN_S)
 
 
 def _retie(worker: Any) -> None:
