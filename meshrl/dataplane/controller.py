@@ -291,6 +291,8 @@ class Controller:
             raise P.ProtocolError(f"segment {msg.segment.name!r} does not belong to run {self.run}")
         if msg.segment.size < 0:
             raise P.ProtocolError("negative segment size")
+        if msg.key is not None and not 0 < len(msg.key) <= P.MAX_KEY:
+            raise P.ProtocolError(f"put key must be 1 to {P.MAX_KEY} characters, got {len(msg.key)}")
         if msg.ids is None and not part.can_put(msg.n):
             if msg.n > part.capacity:
                 raise TableError(

@@ -37,6 +37,7 @@ MAX_COLUMNS = 63  # one bit per column in an int64 readiness mask
 MAX_NDIM = 8
 SEGMENT_NAME = re.compile(r"^meshrl-[A-Za-z0-9_.\-]{1,200}$")
 NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+MAX_KEY = 200  # characters of a put's idempotency key
 
 
 class ProtocolError(ValueError):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrl.dataplane import Client, LeaseExpired, PartitionFull, Ragged
+from meshrl.dataplane import Client, DataPlaneError, LeaseExpired, PartitionFull, Ragged
 
 WORKER = str(Path(__file__).with_name("dp_worker.py"))
 
@@ -260,3 +260,12 @@ def test_a_put_repeated_under_its_key_is_applied_once(plane, tmp_path):
             again.put("rows", {"x": torch.arange(4)}, key="feeder/feed/1")
         assert len(again.core.pool._busy) <= 2, again.core.pool._busy
         assert again.status().partitions[0].rows == 2
+
+
+def test_an_empty_or_overlong_put_key_is_refused_naming_it(plane):
+    with Client(plane.controller) as c:
+        c.create_partition("rows", 8)
+        for key in ("", "k" * 201):
+            with pytest.raises(DataPlaneError, match="put key must be 1 to 200 characters"):
+                c.put("rows", {"x": torch.arange(2)}, key=key)
+        assert c.put("rows", {"x": torch.arange(2)}, key="k" * 200).tolist() == [0, 1]  # nothing was written
