@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -103,11 +104,20 @@ class Health:
                 pass
 
         try:
-            server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+            server = _HealthServer(("127.0.0.1", port), Handler)
         except OSError as e:
             raise OSError(f"{self.service}: cannot bind its health endpoint 127.0.0.1:{port}: {e}") from e
         threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
         return server
+
+
+class _HealthServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A prober that gave up before the answer (the launcher's probe times out while a service
+        starts on a busy machine) is routine: no traceback in the service's log for it."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class Service:
