@@ -42,7 +42,9 @@ def payload(variant: int) -> dict[str, torch.Tensor]:
 
 
 def checksums(p: dict[str, torch.Tensor]) -> tuple[int, int]:
-    return int(p["tokens"].sum()), int(p["logprobs"].view(torch.int32).to(torch.int64).sum())
+    """Sums over every byte of the tokens and the logprobs, the logprobs' bits read as int64 words
+    (wrapping addition, so the order of the sum does not matter): one pass each, no conversion."""
+    return int(p["tokens"].sum()), int(p["logprobs"].view(torch.int64).sum())
 
 
 BATCH_BYTES = sum(t.nbytes for t in payload(0).values())
@@ -52,7 +54,7 @@ def verify(b: int, tokens: torch.Tensor, logprobs: torch.Tensor, reward: torch.T
     want = torch.arange(b * ROWS, (b + 1) * ROWS, dtype=torch.float32)
     if not torch.equal(reward, want):
         raise AssertionError(f"batch {b}: reward column does not match")
-    got = (int(tokens.sum()), int(logprobs.view(torch.int32).to(torch.int64).sum()))
+    got = checksums({"tokens": tokens, "logprobs": logprobs})
     if got != sums[b % VARIANTS]:
         raise AssertionError(f"batch {b}: checksum mismatch {got} != {sums[b % VARIANTS]}")
 
