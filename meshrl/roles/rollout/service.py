@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import itertools
 import json
 import os
 import random
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +43,10 @@ from meshrl.algorithms.losses import AdaptiveKL, kl
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.protocol import Meta
 from meshrl.roles import EVAL, GATE, SAMPLES
-from meshrl.roles.rollout.config import BUILTIN_TASKS, RolloutConfig
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.data import RewardFn, load_rows, rule_rewards
 from meshrl.roles.scorer import put_missing_async
 from meshrl.service import WATCH_S, Service
-
-RewardFn = Callable[[str, str, dict[str, Any]], float]
 
 
 class RolloutService(Service):
@@ -444,30 +440,13 @@ class RolloutService(Service):
     def rewards(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.reward_fn is None:  # no rule: evaluation has nothing to measure
             return torch.zeros(len(batch), dtype=torch.float32), torch.ones(len(batch), dtype=torch.bool)
-        out = [0.0] * len(batch)
-        valid = [True] * len(batch)
-        responses = batch.ragged("response")
-        eos = set(self.tokenizer.all_special_ids) & {self.tokenizer.eos_token_id}
-        flat, bounds = responses.values.tolist(), responses.offsets.tolist()
-        answers = []
-        for a, b in itertools.pairwise(bounds):
-            while b > a and flat[b - 1] in eos:  # the stop token is not part of the answer
-                b -= 1
-            answers.append(flat[a:b])
-        texts = self.tokenizer.batch_decode(answers, skip_special_tokens=False)
-        for i, (pid, completion) in enumerate(zip(batch.meta_of("prompt_id"), texts, strict=True)):
-            row = rows[int(pid)]
-            try:
-                value = float(self.reward_fn(str(row[self.config.prompt_field]), completion, row))
-                if value != value or value in (float("inf"), float("-inf")):
-                    raise ValueError(f"reward function returned {value}")
-                out[i] = value
-            except Exception:  # counted by the caller
-                valid[i] = False
-                if self.first_failure is None:
-                    self.first_failure = traceback.format_exc()
-                    self.log.error("reward function failed on prompt %s:\n%s", pid, self.first_failure)
-        return torch.tensor(out, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool)
+        reward, valid, failure = rule_rewards(
+            self.tokenizer, self.reward_fn, self.config.prompt_field, batch, rows
+        )
+        if failure is not None and self.first_failure is None:
+            self.first_failure = failure
+            self.log.error("reward function failed %s", failure)
+        return reward, valid
 
     def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The reward trained on: weighted rule reward + weighted reward-model score + overlong penalty."""
@@ -608,61 +587,3 @@ class RolloutService(Service):
         self.log.info("eval at version %d: %s", version, row)
         with open(self.eval_file, "a") as f:
             f.write(json.dumps(row) + "\n")
-
-
-def load_rows(
-    cfg: RolloutConfig, bad: list[str] | None = None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train rows, eval rows) from a built-in task or local files.
-
-    A row that does not parse, is not an object, or has no usable `prompt_field` is skipped, with a
-    line saying where and why appended to `bad`; a file in which no row has the field is an error.
-    """
-    bad = [] if bad is None else bad
-    if cfg.dataset in BUILTIN_TASKS:
-        task = importlib.import_module(BUILTIN_TASKS[cfg.dataset])
-        train, held_out = task.split()
-    else:
-        train, held_out = _read(cfg.dataset, bad), []
-    if cfg.eval_dataset is not None and cfg.eval_dataset not in BUILTIN_TASKS:
-        held_out = _read(cfg.eval_dataset, bad)
-    for name, path, rows in (("dataset", cfg.dataset, train), ("eval_dataset", cfg.eval_dataset, held_out)):
-        usable = [r for r in rows if isinstance(r.get(cfg.prompt_field), str) and r[cfg.prompt_field]]
-        if rows and not usable:
-            raise ValueError(
-                f"rollout.{name}: rows have no field {cfg.prompt_field!r} (fields: {sorted(rows[0])}); "
-                "set rollout.prompt_field"
-            )
-        for r in rows:
-            if not (isinstance(r.get(cfg.prompt_field), str) and r[cfg.prompt_field]):
-                bad.append(f"{path}: row {r.get('_line', '?')}: no text in field {cfg.prompt_field!r}")
-        rows[:] = usable
-    if not train:
-        raise ValueError(f"rollout.dataset: {cfg.dataset!r} has no rows")
-    return train, held_out
-
-
-def _read(path: str, bad: list[str]) -> list[dict[str, Any]]:
-    """Rows of a .jsonl file (line by line: a broken line is reported in `bad`, not fatal), or of a
-    .json / .parquet file through `datasets`."""
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    bad.append(f"{path}: line {n}: not JSON ({e.msg})")
-                    continue
-                if not isinstance(row, dict):
-                    bad.append(f"{path}: line {n}: a {type(row).__name__}, not an object")
-                    continue
-                rows.append({**row, "_line": n})
-        return rows
-    from datasets import load_dataset
-
-    kind = "parquet" if path.endswith(".parquet") else "json"
-    ds = load_dataset(kind, data_files=str(Path(path).resolve()), split="train")
-    return [dict(r) for r in ds]
