@@ -547,6 +547,12 @@ class FSDPEngine:
         self.steps = int(steps)
         self._set_lr()
 
+    def continue_schedule(self, steps: int) -> None:
+        """Go on with the learning-rate schedule at optimizer step `steps` (weights loaded from an older
+        checkpoint by a service that re-joins a run past it)."""
+        self.steps = steps
+        self._set_lr()
+
 
 @contextlib.contextmanager
 def _single_process_ok() -> Iterator[None]:

@@ -24,6 +24,7 @@ class CriticConfig(ServiceConfig):
 
     service = "meshrl.roles.critic.service:CriticService"
     stateful = True
+    rejoins = True  # a restarted critic goes on from its progress, with the latest checkpoint's weights
 
     model: str
     """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic."""

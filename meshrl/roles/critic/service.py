@@ -10,6 +10,16 @@ Two claims on one asyncio client, served one at a time on one model:
   to <run_dir>/critic.jsonl.
 Batch v (the critic's version) is trained on only once every sample of it has its values, so values
 are never computed by weights half-way through an update of their own batch.
+
+Re-joining: before each effect on the data plane (values put and acknowledged, a trained batch
+acknowledged) the critic writes its progress to `<run_dir>/rejoin/<process>.<launch>.json`: version,
+optimizer steps, samples valued, metrics lines, and the rows of the effect in flight. A critic killed and
+restarted in place takes that progress and the weights and optimizer state of the run's latest
+checkpoint (the updates since are lost: its values for the rest of the run are those of a critic that
+missed them, so the run no longer repeats an uninterrupted one bit for bit; restarting the whole run
+from the checkpoint instead, `critic.restart.mode=never` plus a resume, is exact). Rows of the effect in
+flight come back when the dead connection closes: values already written are kept and not counted
+again, and a batch already trained on is acknowledged without training on it twice.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +41,7 @@ from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import pack
 from meshrl.roles import SAMPLES
 from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
+from meshrl.roles.scorer import put_missing_async
 from meshrl.service import WATCH_S, Service
 
 LEASE_S = 600.0
@@ -54,7 +66,20 @@ class CriticService(Service):
         self.valued = 0
         self.stats: list[dict[str, float]] = []
         self.metrics_file = self.ctx.run_dir / "critic.jsonl"
+        self.metrics_lines = 0
         self.last = time.perf_counter()
+        # the rows of the effect in flight (in the state file), and those a predecessor had in flight
+        self.valuing: list[int] = []
+        self.training: list[int] = []
+        self.replay_values: set[int] = set()
+        self.replay_train: set[int] = set()
+        launch = os.environ.get("MESHRL_LAUNCH", "0")
+        self.state_file = self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}.json"
+        if self.state_file.exists():
+            self.rejoin()
+            return
+        for old in self.state_file.parent.glob(f"{self.ctx.name}.*.json"):  # earlier launches'
+            old.unlink()
         resume = ckpt.resume_dir()
         if resume is not None:
             self.load_state(resume)
@@ -69,6 +94,7 @@ class CriticService(Service):
 
     def run(self) -> None:
         asyncio.run(self.serve())
+        self.state_file.unlink(missing_ok=True)  # the run is over: nothing to re-join
         if self.config.save_final:
             self.engine.save_pretrained(str(self.ctx.run_dir / "critic"), tokenizer_from=self.config.model)
 
@@ -130,11 +156,18 @@ class CriticService(Service):
             self.held = self.train_claim.result() or None
             if self.held is None:
                 self.train_claim = self.claim_train()
+            elif set(self.held.ids.tolist()) <= self.replay_train:  # a predecessor trained on it
+                self.replay_train -= set(self.held.ids.tolist())
+                await self.client.ack(self.held)
+                self.held = None
+                self.train_claim = self.claim_train()
         # Synchronous PPO computes a batch's values before any update on it: train on batch v (this
         # critic's version) only once every sample of it has its values.
         if self.held is not None and self.valued >= (self.version + 1) * cfg.batch_size:
             await asyncio.to_thread(self.train, self.held)
             self.version_changed.set()
+            self.training = self.held.ids.tolist()
+            self.persist()
             await self.client.ack(self.held)
             self.held = None
             self.train_claim = self.claim_train()
@@ -152,9 +185,13 @@ class CriticService(Service):
             if ready:
                 columns = await asyncio.to_thread(self.values, batch, ready)
                 ids = batch.ids[ready]
-                await client.put(SAMPLES, columns, ids=ids)
+                # counted ahead of the effects; rows a predecessor counted are only finished
+                self.valued += sum(int(i) not in self.replay_values for i in ids.tolist())
+                self.replay_values -= set(ids.tolist())
+                self.valuing = ids.tolist()
+                self.persist()
+                await put_missing_async(client, SAMPLES, columns, ids)  # keeps what a predecessor wrote
                 await client.ack(batch, None if not later and len(ready) == len(batch) else ids)
-                self.valued += len(ready)
             if later:
                 if time.monotonic() - since > LEASE_S / 3:
                     await client.renew(batch, LEASE_S)
@@ -215,10 +252,9 @@ class CriticService(Service):
 
     async def save_state(self, directory: Path) -> None:
         await asyncio.to_thread(self.engine.save_checkpoint, str(directory / self.ctx.name))
-        lines = len(self.metrics_file.read_text().splitlines())
         ckpt.save_json(directory / f"{self.ctx.name}.json", {
             "version": self.version, "minibatches": self.minibatches, "valued": self.valued,
-            "stats": self.stats, "metrics_lines": lines,
+            "stats": self.stats, "metrics_lines": self.metrics_lines,
         })  # fmt: skip
 
     def load_state(self, directory: Path) -> None:
@@ -226,8 +262,33 @@ class CriticService(Service):
         self.engine.load_checkpoint(str(directory / self.ctx.name))
         self.version, self.minibatches = int(state["version"]), int(state["minibatches"])
         self.valued, self.stats = int(state["valued"]), list(state["stats"])
-        ckpt.truncate_jsonl(self.metrics_file, int(state["metrics_lines"]))
+        self.metrics_lines = int(state["metrics_lines"])
+        ckpt.truncate_jsonl(self.metrics_file, self.metrics_lines)
         self.log.info("resumed from %s at critic version %d", directory, self.version)
+
+    def persist(self) -> None:
+        """Write the progress, ahead of the data-plane effect about to happen (see the module's doc)."""
+        self.state_file.parent.mkdir(exist_ok=True)
+        ckpt.save_json(self.state_file, {
+            "version": self.version, "minibatches": self.minibatches, "valued": self.valued,
+            "steps": self.engine.steps, "metrics_lines": self.metrics_lines, "valuing": self.valuing,
+            "training": self.training,
+        })  # fmt: skip
+
+    def rejoin(self) -> None:
+        """Take over from a predecessor of this launch: its progress, the latest checkpoint's weights."""
+        state = json.loads(self.state_file.read_text())
+        latest = ckpt.latest(self.ctx.run_dir)
+        weights = "the initial weights"
+        if latest is not None and (latest / f"{self.ctx.name}.json").exists():
+            self.engine.load_checkpoint(str(latest / self.ctx.name))
+            weights = f"the weights of {latest.name} (critic version {ckpt.load_json(latest / f'{self.ctx.name}.json')['version']})"
+        self.engine.continue_schedule(int(state["steps"]))
+        self.version, self.minibatches = int(state["version"]), int(state["minibatches"])
+        self.valued, self.metrics_lines = int(state["valued"]), int(state["metrics_lines"])
+        self.replay_values, self.replay_train = set(state["valuing"]), set(state["training"])
+        ckpt.truncate_jsonl(self.metrics_file, self.metrics_lines)  # a line its predecessor wrote after
+        self.log.warning("re-joined the run at critic version %d with %s", self.version, weights)
 
     def record(self) -> None:
         stats, self.stats = self.stats, []
@@ -239,6 +300,7 @@ class CriticService(Service):
         self.last = now
         with open(self.metrics_file, "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.metrics_lines += 1
         self.ctx.health.info.update(version=self.version, valued=self.valued)
         if row["nan_skipped"] >= len(stats) * self.config.epochs:  # not one step of this version counted
             raise FloatingPointError("every critic update of a batch had a non-finite loss or gradient")

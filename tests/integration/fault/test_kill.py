@@ -190,3 +190,42 @@ def test_rollout_killed_again_and_again_continues_in_place_exactly(tmp_path, ari
     assert [r["greedy_accuracy"] for r in rows(run_dir / "eval.jsonl")] == [
         r["greedy_accuracy"] for r in rows(tmp_path / "reference" / "eval.jsonl")
     ]
+
+
+def test_a_killed_critic_rejoins_in_place_with_the_latest_checkpoints_weights(tmp_path, arith_model):
+    """The critic SIGKILLed twice at seeded random moments restarts alone each time: it goes on from the
+    progress it wrote ahead of each change, with the weights and optimizer state of the run's latest
+    checkpoint. Every step runs, each critic version is trained and recorded once, and each sample is
+    valued, trained on by the critic and by the actor exactly once."""
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path, f"*.model={arith_model}", f"total_steps={STEPS}", "checkpoint_every=2",
+                 "rollout.eval_every=0", "critic.restart.mode=on-failure", "critic.restart.backoff_s=0.2",
+                 f"run_dir={run_dir}", recipe=str(REPO / "recipes" / "ppo_arith.py"))  # fmt: skip
+    rng = random.Random(5)
+    deadline = time.monotonic() + 400
+    killed = -1
+    for at in sorted(rng.sample(range(2, STEPS - 1), 2)):
+        while steps_done(run_dir) < at or pid_of(run_dir, "critic") == killed:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the next step
+        killed = kill(run_dir, "critic")
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(STEPS))
+    restarts = rows(run_dir / "restarts.jsonl")
+    assert [(r["group"], r["in_place"]) for r in restarts] == [("critic", True)] * 2, restarts
+    logs = run_dir / "logs"
+    log = (logs / f"{restarts[0]['service']}.log").read_text()
+    assert log.count("==== start") == 3 and log.count("re-joined the run at critic version") >= 1, log[-3000:]
+    assert (logs / "trainer-0-1.log").read_text().count("==== start") == 1
+    assert [c["version"] for c in rows(run_dir / "critic.jsonl")] == list(range(1, STEPS + 1))
+    for consumer in ("trainer", "critic", "critic-values"):
+        tally = account(run_dir / "ledger.jsonl", consumer=consumer)
+        assert (tally.consumed, tally.pending, tally.duplicated, tally.unknown) == (STEPS * 128, 0, 0, 0), (
+            consumer,
+            tally,
+        )
+    assert not list((run_dir / "rejoin").glob("critic-*"))  # a finished critic leaves no state behind
