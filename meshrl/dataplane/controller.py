@@ -412,12 +412,12 @@ class Controller:
             assert col.dtype is not None
             segs = col.seg[slots]
             first = int(segs[0])
-            if (segs == first).all():  # the usual case: rows of one write
-                uniq, inverse = [first], np.zeros(len(segs), dtype=np.int64)
+            if len(segs) == 1 or np.count_nonzero(segs != first) == 0:  # the usual case: one write
+                uniq, inverse = [first], None
             else:
                 u, inverse = np.unique(segs, return_inverse=True)
                 uniq = u.tolist()
-            pos = np.empty(len(uniq), dtype=np.int32)
+            pos = np.empty(len(uniq), dtype="<i4")
             for k, s in enumerate(uniq):
                 if s not in seg_pos:
                     seg_pos[s] = len(seg_list)
@@ -429,9 +429,9 @@ class Controller:
                     dtype=col.dtype,
                     shape=col.shape,
                     ragged=col.ragged,
-                    segment=pos[inverse].astype("<i4").tobytes(),
-                    offset=col.off[slots].astype("<i8").tobytes(),
-                    length=col.length[slots].astype("<i8").tobytes(),
+                    segment=(pos[inverse] if inverse is not None else np.repeat(pos, len(segs))).tobytes(),
+                    offset=col.off[slots].astype("<i8", copy=False).tobytes(),
+                    length=col.length[slots].astype("<i8", copy=False).tobytes(),
                 )
             )
         return P.ClaimReply(

@@ -127,7 +127,7 @@ class Partition:
     def slots_of(self, ids: np.ndarray, *, strict: bool) -> np.ndarray:
         get = self.id2slot.get
         out = np.asarray([get(i, -1) for i in ids.tolist()], dtype=np.int64)
-        if strict and (out < 0).any():
+        if strict and np.count_nonzero(out < 0):
             missing = ids[out < 0][:5].tolist()
             raise TableError("bad_request", f"partition {self.name!r}: unknown row ids {missing}")
         return out
@@ -299,8 +299,8 @@ class Partition:
                 c.state[slots] = NOT_READY
         else:
             old = self.mask[slots]
-            if (old & cmask).any():
-                twice = [col.name for col, _, _ in layouts if (old & (1 << col.bit)).any()]
+            if np.count_nonzero(old & cmask):
+                twice = [col.name for col, _, _ in layouts if np.count_nonzero(old & (1 << col.bit))]
                 raise TableError("conflict", f"columns {twice} already written for some of these rows")
         if meta is not None:
             for s, m, g in zip(slots.tolist(), meta, groups or [], strict=True):
@@ -317,6 +317,8 @@ class Partition:
         new = old | cmask
         self.mask[slots] = new
         for c in self.consumers.values():
+            if not cmask & c.need:  # this write adds nothing the consumer reads
+                continue
             became = ((old & c.need) != c.need) & ((new & c.need) == c.need)
             self.mark_ready(c, slots[became & (c.state[slots] == NOT_READY)])
         return rows, n * len(layouts)
@@ -337,13 +339,14 @@ class Partition:
             else:
                 c.ready.popleft()
             alive = self._alive(chunk, c, READY)
-            if grouped and not alive.all():  # a row of the group was deleted: the rest waits for a refill
+            whole = np.count_nonzero(alive) == len(alive)
+            if grouped and not whole:  # a row of the group was deleted: the rest waits for a refill
                 live = chunk.slots[alive]
                 c.nready -= len(live)
                 c.state[live] = NOT_READY
                 self.mark_ready(c, live)
                 continue
-            if not alive.all():
+            if not whole:
                 chunk = Chunk(chunk.ids[alive], chunk.slots[alive])
             taken.append(chunk)
             count += len(chunk.ids)
@@ -363,12 +366,13 @@ class Partition:
         back = 0
         for chunk in reversed(lease.chunks):
             alive = self._alive(chunk, c, CLAIMED)
-            if c.group_size is not None and not alive.all():
+            whole = np.count_nonzero(alive) == len(alive)
+            if c.group_size is not None and not whole:
                 live = chunk.slots[alive]
                 c.state[live] = NOT_READY
                 self.mark_ready(c, live)
                 continue
-            if not alive.all():
+            if not whole:
                 chunk = Chunk(chunk.ids[alive], chunk.slots[alive])
             if len(chunk.ids):
                 c.state[chunk.slots] = READY
@@ -409,17 +413,20 @@ class Partition:
                 lease.chunks = keep
             else:
                 del c.leases[claim_id]
-        slots = np.concatenate([chunk.slots[self._alive(chunk, c, CLAIMED)] for chunk in done_chunks])
+        live = [chunk.slots[self._alive(chunk, c, CLAIMED)] for chunk in done_chunks]
+        slots = live[0] if len(live) == 1 else np.concatenate(live)
         c.state[slots] = ACKED
         if not self.delete_when_acked_by:
             return len(slots), slots[:0]
-        done = np.ones(len(slots), dtype=bool)
+        done: np.ndarray | None = None  # None: every row (so far only this consumer, which just acked)
         for name in self.delete_when_acked_by:
             other = self.consumers.get(name)
             if other is None:
                 return len(slots), slots[:0]
-            done &= other.state[slots] == ACKED
-        return len(slots), slots[done]
+            if other is not c:
+                acked = other.state[slots] == ACKED
+                done = acked if done is None else done & acked
+        return len(slots), slots if done is None else slots[done]
 
     def delete_ids(self, ids: np.ndarray) -> tuple[int, dict[int, int]]:
         slots = self.slots_of(ids, strict=False)
@@ -431,7 +438,7 @@ class Partition:
             return 0, {}
         for c in self.consumers.values():
             st = c.state[slots]
-            c.nready -= int((st == READY).sum())
+            c.nready -= int(np.count_nonzero(st == READY))
             partial = slots[st == PARTIAL]
             if len(partial):
                 gone = set(partial.tolist())
@@ -444,14 +451,21 @@ class Partition:
             c.state[slots] = NOT_READY
         dropped: dict[int, int] = {}
         masks = self.mask[slots]
-        for col in self.columns.values():
-            has = (masks >> col.bit) & 1 == 1
-            k = int(has.sum())
-            if not k:
-                continue
-            segs = col.seg[slots] if k == len(slots) else col.seg[slots[has]]
+        mask0 = int(masks[0])
+        same = len(masks) == 1 or np.count_nonzero(masks != mask0) == 0  # the usual case: every row has
+        for col in self.columns.values():  # the same columns
+            if same:
+                if not mask0 >> col.bit & 1:
+                    continue
+                k, segs = len(slots), col.seg[slots]
+            else:
+                has = (masks >> col.bit) & 1 == 1
+                k = int(np.count_nonzero(has))
+                if not k:
+                    continue
+                segs = col.seg[slots] if k == len(slots) else col.seg[slots[has]]
             first = int(segs[0])
-            if (segs == first).all():  # the usual case: rows of one write
+            if k == 1 or np.count_nonzero(segs != first) == 0:  # the usual case: rows of one write
                 dropped[first] = dropped.get(first, 0) + k
                 continue
             uniq, counts = np.unique(segs, return_counts=True)

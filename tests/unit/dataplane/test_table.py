@@ -25,7 +25,7 @@ class TableModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.part = Partition("p", 64, [])
+        self.part = Partition("p", 64, ["a", "b"])  # rows are due for deletion once both acked them
         self.next_id = 0
         self.next_claim = 1
         self.cols: dict[int, set[str]] = {}
@@ -96,9 +96,15 @@ class TableModel(RuleBasedStateMachine):
                 with pytest.raises(TableError, match="expired"):
                     self.part.ack(c, claim_id)
             return
-        self.part.ack(c, claim_id)
-        rows = self.leased[consumer].pop(claim_id)
-        self.acked[consumer] |= rows & set(self.cols)
+        _, due = self.part.ack(c, claim_id)
+        rows = self.leased[consumer].pop(claim_id) & set(self.cols)
+        self.acked[consumer] |= rows
+        want = {i for i in rows if i in self.acked["a"] and i in self.acked["b"]}
+        assert set(self.part.row_id[due].tolist()) == want
+        self.part.delete_slots(due)  # as the controller does
+        for i in want:
+            del self.cols[i]
+            self.group.pop(i)
 
     @rule(claim=claims)
     def expire(self, claim: tuple[str, int]) -> None:
