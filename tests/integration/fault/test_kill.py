@@ -50,9 +50,22 @@ def kill(run_dir: Path, victim: str) -> int:
     return pid
 
 
+def common_args(model: Path) -> list[str]:
+    return [f"*.model={model}", f"total_steps={STEPS}", "checkpoint_every=1", "rollout.eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(arith_model, tmp_path_factory) -> list[dict]:
+    """Per-step metrics of the run the killed ones are compared with (run once for every victim)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    r = run(tmp, *common_args(arith_model), f"run_dir={tmp / 'run'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return rows(tmp / "run" / "metrics.jsonl")
+
+
 @pytest.mark.parametrize("victim", ["trainer", "rollout", "inference"])
-def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_model, victim):
-    common = [f"*.model={arith_model}", f"total_steps={STEPS}", "checkpoint_every=1", "rollout.eval_every=0"]
+def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_model, uninterrupted, victim):
+    common = common_args(arith_model)
     run_dir = tmp_path / "run"
     proc = start(tmp_path, *common, *ON_FAILURE, f"run_dir={run_dir}")
     at = random.Random(f"{victim}-7").randint(2, 5)  # seeded: the step after which the kill lands
@@ -74,15 +87,11 @@ def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_mo
     assert trainer_starts == (2 if victim == "trainer" else 1)
     tally = account(run_dir / "ledger.jsonl")
     assert (tally.consumed, tally.pending, tally.duplicated, tally.unknown) == (STEPS * 128, 0, 0, 0), tally
-    if True:
-        reference = run(tmp_path, *common, f"run_dir={tmp_path / 'reference'}")
-        assert reference.returncode == 0, reference.stderr[-3000:]
-        # bitwise on CPU: the resumed trainer loads the exact weights, optimizer state and step of the
-        # checkpoint; a re-joined replica gets the exact weights of the version; inference seeds its
-        # sampling from the rows' group sequence
-        expected = rows(tmp_path / "reference" / "metrics.jsonl")
-        assert [m["loss"] for m in metrics] == [m["loss"] for m in expected]
-        assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in expected]
+    # bitwise on CPU: the resumed trainer loads the exact weights, optimizer state and step of the
+    # checkpoint; a re-joined replica gets the exact weights of the version; inference seeds its
+    # sampling from the rows' group sequence
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in uninterrupted]
+    assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in uninterrupted]
 
 
 def test_a_killed_reference_restarts_alone_and_the_run_goes_on(tmp_path, arith_model):
