@@ -103,6 +103,18 @@ def arith_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+@pytest.fixture(scope="session")
+def grpo_100_steps(arith_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run directory of recipes/grpo_arith.py trained 100 steps from the warm start: the learning test
+    and the asynchronous comparison share it (one run instead of two)."""
+    from tests.integration.grpo.test_grpo import run
+
+    tmp = tmp_path_factory.mktemp("grpo100")
+    r = run(tmp, f"*.model={arith_model}", f"run_dir={tmp / 'run'}", "total_steps=100")
+    assert r.returncode == 0, r.stderr[-4000:]
+    return tmp / "run"
+
+
 def _sft(base: Path, out: Path, steps: int) -> Path:
     import torch
 
