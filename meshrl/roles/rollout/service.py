@@ -416,9 +416,11 @@ class RolloutService(Service):
                 self.persist()
                 if len(index):
                     await put_missing_async(self.client, SAMPLES, out, batch.ids[index.numpy()])
-                await self.client.ack(batch)
+                # delete before the ack: a process killed in between gets the rows back (a successor
+                # deletes them again), never rows acknowledged but left behind
                 if len(dropped):
                     await self.client.delete(SAMPLES, dropped)
+                await self.client.ack(batch)
                 self.handling = set()
                 if bool(drop.any()):
                     drawn = self.scored + self.filtered
@@ -565,8 +567,8 @@ class RolloutService(Service):
                     del self.eval_pending[version]
                     self.record_eval(version, self.eval_results.pop(version))
                 self.persist()
+                await self.client.delete(EVAL, batch.ids)  # before the ack, as in scoring
                 await self.client.ack(batch)
-                await self.client.delete(EVAL, batch.ids)
                 self.handling_eval = set()
                 if complete:
                     self.check_done()

@@ -50,6 +50,31 @@ def kill(run_dir: Path, victim: str) -> int:
     return pid
 
 
+def kill_repeatedly(
+    proc: subprocess.Popen[str],
+    run_dir: Path,
+    victim: str,
+    rng: random.Random,
+    steps: range,
+    times: int,
+    *,
+    within_s: float,
+    timeout_s: float = 400,
+) -> None:
+    """SIGKILL `victim` `times` times: after each of as many steps drawn from `steps` (once the previous
+    victim's successor runs), at a random moment within `within_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    killed = -1
+    for at in sorted(rng.sample(steps, times)):
+        while steps_done(run_dir) < at or pid_of(run_dir, victim) == killed:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                run_dir.parent / "run.log"
+            ).read_text()[-3000:]
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, within_s))  # somewhere inside the next step
+        killed = kill(run_dir, victim)
+
+
 def common_args(model: Path) -> list[str]:
     return [f"*.model={model}", f"total_steps={STEPS}", "checkpoint_every=1", "rollout.eval_every=0"]
 
@@ -162,18 +187,7 @@ def test_rollout_killed_again_and_again_continues_in_place_exactly(tmp_path, ari
     run_dir = tmp_path / "run"
     proc = start(tmp_path, *common, "rollout.restart.mode=on-failure", "rollout.restart.max_restarts=3",
                  "rollout.restart.backoff_s=0.2", f"run_dir={run_dir}")  # fmt: skip
-    rng = random.Random(11)
-    deadline = time.monotonic() + 300
-    killed = -1
-    for at in sorted(rng.sample(range(1, STEPS - 1), 3)):
-        # the step reached, and the previous victim's successor running
-        while steps_done(run_dir) < at or pid_of(run_dir, "rollout") == killed:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[
-                -3000:
-            ]
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.15))  # somewhere inside the next step
-        killed = kill(run_dir, "rollout")
+    kill_repeatedly(proc, run_dir, "rollout", random.Random(11), range(1, STEPS - 1), 3, within_s=0.15)
     proc.wait(timeout=600)
     assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     restarts = rows(run_dir / "restarts.jsonl")
@@ -210,17 +224,7 @@ def test_a_killed_critic_rejoins_in_place_with_the_latest_checkpoints_weights(tm
     proc = start(tmp_path, f"*.model={arith_model}", f"total_steps={STEPS}", "checkpoint_every=2",
                  "rollout.eval_every=0", "critic.restart.mode=on-failure", "critic.restart.backoff_s=0.2",
                  f"run_dir={run_dir}", recipe=str(REPO / "recipes" / "ppo_arith.py"))  # fmt: skip
-    rng = random.Random(5)
-    deadline = time.monotonic() + 400
-    killed = -1
-    for at in sorted(rng.sample(range(2, STEPS - 1), 2)):
-        while steps_done(run_dir) < at or pid_of(run_dir, "critic") == killed:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[
-                -3000:
-            ]
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the next step
-        killed = kill(run_dir, "critic")
+    kill_repeatedly(proc, run_dir, "critic", random.Random(5), range(2, STEPS - 1), 2, within_s=0.3)
     proc.wait(timeout=600)
     assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(STEPS))
