@@ -282,7 +282,8 @@ class CriticService(Service):
         weights = "the initial weights"
         if latest is not None and (latest / f"{self.ctx.name}.json").exists():
             self.engine.load_checkpoint(str(latest / self.ctx.name))
-            weights = f"the weights of {latest.name} (critic version {ckpt.load_json(latest / f'{self.ctx.name}.json')['version']})"
+            saved = ckpt.load_json(latest / f"{self.ctx.name}.json")["version"]
+            weights = f"the weights of {latest.name} (critic version {saved})"
         self.engine.continue_schedule(int(state["steps"]))
         self.version, self.minibatches = int(state["version"]), int(state["minibatches"])
         self.valued, self.metrics_lines = int(state["valued"]), int(state["metrics_lines"])
