@@ -452,8 +452,9 @@ class Partition:
         dropped: dict[int, int] = {}
         masks = self.mask[slots]
         mask0 = int(masks[0])
-        same = len(masks) == 1 or np.count_nonzero(masks != mask0) == 0  # the usual case: every row has
-        for col in self.columns.values():  # the same columns
+        # the usual case: every row has the same columns (one pass, no per-column masks)
+        same = len(masks) == 1 or np.count_nonzero(masks != mask0) == 0
+        for col in self.columns.values():
             if same:
                 if not mask0 >> col.bit & 1:
                     continue
