@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import struct
 import threading
@@ -190,10 +191,10 @@ class _Core:
     ) -> Batch:
         assert self.maps is not None
         ids = np.frombuffer(reply.ids, dtype="<i8").copy()
+        n = len(ids)
         columns: dict[str, Value] = {}
         for col in reply.columns:
             dtype = TORCH_DTYPES[col.dtype]
-            item_numel = int(np.prod(col.shape)) if col.shape else 1
             pieces = []
             for seg, off, nbytes in _runs(col):
                 ref = reply.segments[seg]
@@ -211,12 +212,12 @@ class _Core:
                 if len(pieces) == 1
                 else (torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype))
             )
-            values = flat.view(-1, *col.shape) if item_numel else flat.new_empty((0, *col.shape))
-            lengths = np.frombuffer(col.length, dtype="<i8")
-            if col.ragged:
-                columns[col.name] = Ragged(values, torch.from_numpy(lengths.copy()))
-            else:
-                columns[col.name] = values.view(len(ids), *col.shape)
+            if not col.ragged:
+                columns[col.name] = flat.view(n, *col.shape)
+                continue
+            lengths = torch.from_numpy(np.frombuffer(col.length, dtype="<i8").copy())
+            values = flat.view(-1, *col.shape) if math.prod(col.shape) else flat.new_empty((0, *col.shape))
+            columns[col.name] = Ragged(values, lengths)
         return Batch(partition, consumer, reply.claim, ids, reply.meta, columns)
 
 

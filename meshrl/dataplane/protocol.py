@@ -309,9 +309,11 @@ def item_bytes(dtype: str, shape: list[int]) -> int:
     """Bytes of one item (one row of a dense column, one element along dim 0 of a ragged one)."""
     if dtype not in DTYPES:
         raise ProtocolError(f"dtype {dtype!r} not supported; use one of {sorted(DTYPES)}")
-    if len(shape) > MAX_NDIM or any(d < 0 or d > 1 << 31 for d in shape):
+    if len(shape) > MAX_NDIM:
         raise ProtocolError(f"shape {shape} invalid: at most {MAX_NDIM} non-negative dims")
     size = DTYPES[dtype]
     for d in shape:
+        if d < 0 or d > 1 << 31:
+            raise ProtocolError(f"shape {shape} invalid: at most {MAX_NDIM} non-negative dims")
         size *= d
     return size
