@@ -12,7 +12,7 @@ Batch v (the critic's version) is trained on only once every sample of it has it
 are never computed by weights half-way through an update of their own batch.
 
 Re-joining: before each effect on the data plane (values put and acknowledged, a trained batch
-acknowledged) the critic writes its progress to `<run_dir>/rejoin/<process>.<launch>.json`: version,
+acknowledged) the critic writes its progress to `<run_dir>/rejoin/<process>.<launch>.{0,1}.json`: version,
 optimizer steps, samples valued, metrics lines, and the rows of the effect in flight. A critic killed and
 restarted in place takes that progress and the weights and optimizer state of the run's latest
 checkpoint (the updates since are lost: its values for the rest of the run are those of a critic that
@@ -43,6 +43,7 @@ from meshrl.roles import SAMPLES
 from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.service import WATCH_S, Service
+from meshrl.statefile import StateFile
 
 LEASE_S = 600.0
 
@@ -74,11 +75,12 @@ class CriticService(Service):
         self.replay_values: set[int] = set()
         self.replay_train: set[int] = set()
         launch = os.environ.get("MESHRL_LAUNCH", "0")
-        self.state_file = self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}.json"
-        if self.state_file.exists():
-            self.rejoin()
+        self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}")
+        predecessor = self.state.read()
+        if predecessor is not None:
+            self.rejoin(predecessor)
             return
-        for old in self.state_file.parent.glob(f"{self.ctx.name}.*.json"):  # earlier launches'
+        for old in (self.ctx.run_dir / "rejoin").glob(f"{self.ctx.name}.*.json"):  # earlier launches'
             old.unlink()
         resume = ckpt.resume_dir()
         if resume is not None:
@@ -94,7 +96,7 @@ class CriticService(Service):
 
     def run(self) -> None:
         asyncio.run(self.serve())
-        self.state_file.unlink(missing_ok=True)  # the run is over: nothing to re-join
+        self.state.remove()  # the run is over: nothing to re-join
         if self.config.save_final:
             self.engine.save_pretrained(str(self.ctx.run_dir / "critic"), tokenizer_from=self.config.model)
 
@@ -268,16 +270,14 @@ class CriticService(Service):
 
     def persist(self) -> None:
         """Write the progress, ahead of the data-plane effect about to happen (see the module's doc)."""
-        self.state_file.parent.mkdir(exist_ok=True)
-        ckpt.save_json(self.state_file, {
+        self.state.write({
             "version": self.version, "minibatches": self.minibatches, "valued": self.valued,
             "steps": self.engine.steps, "metrics_lines": self.metrics_lines, "valuing": self.valuing,
             "training": self.training,
         })  # fmt: skip
 
-    def rejoin(self) -> None:
+    def rejoin(self, state: dict[str, Any]) -> None:
         """Take over from a predecessor of this launch: its progress, the latest checkpoint's weights."""
-        state = json.loads(self.state_file.read_text())
         latest = ckpt.latest(self.ctx.run_dir)
         weights = "the initial weights"
         if latest is not None and (latest / f"{self.ctx.name}.json").exists():

@@ -14,7 +14,7 @@ After the final gate and its evaluation, rollout ends the run.
 
 Re-joining: a rollout process restarted on its own (an on-failure policy) continues where its
 predecessor stopped, while the others run on. Before each change takes effect in the data plane, the
-service writes its whole state to `<run_dir>/rejoin/<process>.<launch>.json`, with the puts in flight
+service writes its whole state to `<run_dir>/rejoin/<process>.<launch>.{0,1}.json`, with the puts in flight
 (under idempotency keys, so the successor repeats them safely) and the groups and evaluation rows being
 handled (counted already: when their rows come back, the rows the predecessor had claimed, they are
 finished without being counted twice).
@@ -47,6 +47,7 @@ from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import RewardFn, load_rows, rule_rewards
 from meshrl.roles.scorer import put_missing_async
 from meshrl.service import WATCH_S, Service
+from meshrl.statefile import StateFile
 
 
 class RolloutService(Service):
@@ -92,12 +93,13 @@ class RolloutService(Service):
         self.replay: set[int] = set()  # groups a predecessor counted: finish them, do not count them
         self.replay_eval: set[int] = set()  # evaluation row ids likewise
         launch = os.environ.get("MESHRL_LAUNCH", "0")
-        self.state_file = self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}.json"
+        self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}")
         resume = ckpt.resume_dir()
-        if self.state_file.exists():
-            self.rejoin()
+        predecessor = self.state.read()
+        if predecessor is not None:
+            self.rejoin(predecessor)
             return
-        for old in self.state_file.parent.glob(f"{self.ctx.name}.*.json"):  # earlier launches'
+        for old in (self.ctx.run_dir / "rejoin").glob(f"{self.ctx.name}.*.json"):  # earlier launches'
             old.unlink()
         if resume is not None:
             self.load_state(resume / f"{self.ctx.name}.json")
@@ -139,7 +141,7 @@ class RolloutService(Service):
                 run_over.result()  # ended by someone else, or failed elsewhere
             else:
                 self.finish_run()
-                self.state_file.unlink(missing_ok=True)
+                self.state.remove()
         finally:
             for t in [*tasks, run_over, all_done]:
                 t.cancel()
@@ -185,8 +187,7 @@ class RolloutService(Service):
     # re-joining
 
     def persist(self) -> None:
-        """Write the state, ahead of the data-plane effect about to happen (no fsync: it outlives this
-        process, which is what it is for; a lost machine restarts the run from its checkpoint)."""
+        """Write the state, ahead of the data-plane effect about to happen (see meshrl/statefile.py)."""
         state = {k: getattr(self, k) for k in self.STATE if k != "order"}
         state.update(
             kl_coef=self.kl.coef,
@@ -196,15 +197,11 @@ class RolloutService(Service):
             replay=sorted(self.replay | self.handling),
             replay_eval=sorted(self.replay_eval | self.handling_eval),
         )
-        self.state_file.parent.mkdir(exist_ok=True)
-        tmp = self.state_file.with_name(self.state_file.name + ".part")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_file)
+        self.state.write(state)
 
-    def rejoin(self) -> None:
+    def rejoin(self, state: dict[str, Any]) -> None:
         """Take over from a predecessor of this launch: its state, the dataset order at its epoch (the same
         shuffles from the same seed), and what it left in flight."""
-        state = json.loads(self.state_file.read_text())
         for k in self.STATE:
             if k != "order":
                 setattr(self, k, state[k])
