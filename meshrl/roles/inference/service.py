@@ -38,7 +38,7 @@ from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.service import WATCH_S, Service
-from meshrl.weights import GroupBroken, WeightGroup
+from meshrl.weights import GroupBroken, WeightGroup, one_thread
 
 LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
 
@@ -313,8 +313,12 @@ class InferenceService(Service):
             self.update_pending.clear()
             self.announce(version)
 
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:  # no batch in progress: the engine is ours
+            with one_thread():
+                self.engine.load_weights(named)
+
         try:
-            return self.weights.receive(header, self.engine.load_weights, applied=applied)
+            return self.weights.receive(header, load, applied=applied)
         finally:
             if held:  # cut short: part old, part new; serve nothing until a complete version
                 self.engine.set_version(-1)
