@@ -40,15 +40,27 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 class Ragged:
     """n rows whose first dimension differs: `values` [sum(lengths), *shape] and `lengths` [n]."""
 
-    def __init__(self, values: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> None:
+    def __init__(
+        self, values: torch.Tensor, lengths: torch.Tensor | Sequence[int], *, check: bool = True
+    ) -> None:
+        """`check=False`: the caller vouches that the lengths sum to the rows of `values` (the client
+        building a claimed batch from the controller's own bookkeeping)."""
         self.values = values
         self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
-        if int(self.lengths.sum()) != values.shape[0]:
+        if check and int(self.lengths.sum()) != values.shape[0]:
             raise ValueError(
                 f"lengths sum to {int(self.lengths.sum())} but values has {values.shape[0]} rows"
             )
-        self.offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
-        torch.cumsum(self.lengths, 0, out=self.offsets[1:])
+        self._offsets: torch.Tensor | None = None
+        self._bounds: list[int] | None = None
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[n + 1] start of each row in `values`, and the end (computed on first use)."""
+        if self._offsets is None:
+            self._offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
+            torch.cumsum(self.lengths, 0, out=self._offsets[1:])
+        return self._offsets
 
     @classmethod
     def from_list(
@@ -65,9 +77,11 @@ class Ragged:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if self._bounds is None:  # plain ints: indexing a tensor twice per row costs more than the row
+            self._bounds = self.offsets.tolist()
         if i < 0:
             i += len(self)
-        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+        return self.values[self._bounds[i] : self._bounds[i + 1]]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (self[i] for i in range(len(self)))

@@ -1,6 +1,6 @@
 """The controller: one process holding the data plane's metadata, serving every client.
 
-A single event loop on a ROUTER socket makes every request atomic without locks. A claim that cannot be
+A single event loop over plain sockets (`rpc.py`) makes every request atomic without locks. A claim that cannot be
 served yet is parked and answered the moment rows become ready (or at its timeout); a put into a full
 partition is parked until rows are deleted. Clients never poll. Leases that expire return their rows.
 
@@ -33,8 +33,9 @@ from meshrl.dataplane import snapshot as snap
 from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.rpc import Connection, RpcServer
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
+from meshrl.dataplane.storage import StorageLinks
 from meshrl.dataplane.table import Consumer, Partition, SegmentInfo, TableError
-from meshrl.dataplane.wire import connect_client, host_id
+from meshrl.dataplane.wire import host_id
 
 log = logging.getLogger("meshrl.controller")
 
@@ -82,8 +83,7 @@ class Controller:
         self.segments: dict[int, SegmentInfo] = {}
         self.seg_by_name: dict[str, int] = {}
         self.clients: dict[str, ClientInfo] = {}
-        self.storages: dict[str, str] = {}
-        self._storage_socks: dict[str, zmq.Socket] = {}
+        self.storage = StorageLinks(self.ctx, secret, STORAGE_TIMEOUT_S)
         # claims by the connection that made them: a connection that ends (its process died, or closed
         # its client) gives its unacknowledged rows back at once instead of when their leases run out
         self.claims_of: dict[Connection, set[tuple[str, str, int]]] = {}
@@ -120,8 +120,7 @@ class Controller:
         self._stop.set()
 
     def close(self) -> None:
-        for s in self._storage_socks.values():
-            s.close(0)
+        self.storage.close()
         self.server.shutdown()
         if self.ledger is not None:
             self.ledger.close()
@@ -244,14 +243,11 @@ class Controller:
     def _hello(self, msg: P.Hello) -> P.HelloReply:
         P.check_name(msg.client, "client")
         if msg.role == "storage":
-            self.storages[msg.host] = msg.endpoint
-            old = self._storage_socks.pop(msg.host, None)
-            if old is not None:
-                old.close(0)
+            self.storage.register(msg.host, msg.endpoint)
             self._waiting_hosts.discard(msg.host)
         else:
             self.clients[msg.client] = ClientInfo(msg.host, msg.pid)
-        return P.HelloReply(run=self.run, shm_dir=self.shm_dir, storages=dict(self.storages))
+        return P.HelloReply(run=self.run, shm_dir=self.shm_dir, storages=dict(self.storage.endpoints))
 
     def _create(self, msg: P.CreatePartition) -> P.Ok:
         P.check_name(msg.partition, "partition")
@@ -469,37 +465,14 @@ class Controller:
             index = self.seg_by_name.pop(name, None)
             if index is not None:
                 self.segments.pop(index, None)
-        sock = self._storage(host)
-        if sock is not None:
-            sock.send_multipart([b"\0" * 8, P.encode(P.Unlink(names))], zmq.NOBLOCK)
-        elif host == self.host:  # no storage server here (embedded use): the files are ours to remove
+        if self.storage.unlink(host, names):
+            return
+        if host == self.host:  # no storage server here (embedded use): the files are ours to remove
             for name in names:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.shm_dir, P.check_segment_name(name)))
         else:
             log.warning("no storage server on %s to free %d segments", host, len(names))
-
-    def _storage(self, host: str) -> zmq.Socket | None:
-        sock = self._storage_socks.get(host)
-        if sock is None and host in self.storages:
-            sock = connect_client(self.ctx, self.storages[host], self.secret)
-            self._storage_socks[host] = sock
-        return sock
-
-    def storage_call(self, host: str, msg: msgspec.Struct) -> Any:
-        """A blocking request to a storage server (snapshots only)."""
-        sock = self._storage(host)
-        if sock is None:
-            raise TableError("internal", f"no storage server registered for host {host}")
-        rid = os.urandom(8)
-        sock.send_multipart([rid, P.encode(msg)])
-        deadline = time.monotonic() + STORAGE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if sock.poll(1000):
-                frames = sock.recv_multipart()
-                if frames[0] == rid:
-                    return P.decode_reply(frames[1])
-        raise TableError("internal", f"storage server on {host} did not answer {type(msg).__name__}")
 
     # ---------------------------------------------------------------------------------------------------
     # parked requests and leases

@@ -116,7 +116,7 @@ def save(ctl: Controller, path: Path) -> None:
     for ref in refs:
         by_host.setdefault(ref.host, []).append(ref.name)
     for host, names in by_host.items():
-        reply = ctl.storage_call(host, P.Save(str(path / "segments" / host), names))
+        reply = ctl.storage.call(host, P.Save(str(path / "segments" / host), names))
         if isinstance(reply, P.Error):
             raise RuntimeError(f"storage on {host} failed to save segments: {reply.message}")
     state = ControllerState(FORMAT, ctl.run, ctl.next_id, ctl.next_claim, refs, parts)

@@ -24,7 +24,7 @@ import zmq
 from meshrl.dataplane import protocol as P
 from meshrl.dataplane.rpc import RpcClient
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR, MapCache
-from meshrl.dataplane.wire import bind_server, host_id
+from meshrl.dataplane.wire import bind_server, connect_client, host_id
 
 log = logging.getLogger("meshrl.storage")
 
@@ -178,3 +178,54 @@ def start_storage(
     thread = threading.Thread(target=st.serve_forever, name="meshrl-storage", daemon=True)
     thread.start()
     return st, thread
+
+
+class StorageLinks:
+    """The controller's side of the storage servers: one socket per host, opened on first use, for
+    freeing segments (no reply awaited) and for blocking calls (snapshots)."""
+
+    def __init__(self, ctx: zmq.Context, secret: str | None, timeout_s: float = 600.0) -> None:
+        self.ctx, self.secret, self.timeout_s = ctx, secret, timeout_s
+        self.endpoints: dict[str, str] = {}  # host -> the endpoint its storage server registered
+        self._socks: dict[str, zmq.Socket] = {}
+
+    def register(self, host: str, endpoint: str) -> None:
+        """A storage server (re)started on `host`: talk to it from now on."""
+        self.endpoints[host] = endpoint
+        old = self._socks.pop(host, None)
+        if old is not None:
+            old.close(0)
+
+    def _socket(self, host: str) -> zmq.Socket | None:
+        sock = self._socks.get(host)
+        if sock is None and host in self.endpoints:
+            sock = connect_client(self.ctx, self.endpoints[host], self.secret)
+            self._socks[host] = sock
+        return sock
+
+    def unlink(self, host: str, names: list[str]) -> bool:
+        """Ask `host`'s storage server to free segments; False if that host runs none."""
+        sock = self._socket(host)
+        if sock is None:
+            return False
+        sock.send_multipart([b"\0" * 8, P.encode(P.Unlink(names))], zmq.NOBLOCK)
+        return True
+
+    def call(self, host: str, msg: msgspec.Struct) -> Any:
+        """A request to `host`'s storage server, waiting for the reply (decoded, errors included)."""
+        sock = self._socket(host)
+        if sock is None:
+            raise ConnectionError(f"no storage server registered for host {host}")
+        rid = os.urandom(8)
+        sock.send_multipart([rid, P.encode(msg)])
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if sock.poll(1000):
+                frames = sock.recv_multipart()
+                if frames[0] == rid:
+                    return P.decode_reply(frames[1])
+        raise TimeoutError(f"storage server on {host} did not answer {type(msg).__name__}")
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
