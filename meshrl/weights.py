@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
@@ -46,6 +47,8 @@ from meshrl.dataplane.shm import Segment
 log = logging.getLogger("meshrl.weights")
 Manifest = list[tuple[str, tuple[int, ...], str]]
 Header = dict[str, Any]  # an announcement: version, epoch, tensors, buckets
+ALIGN = 8  # byte alignment of each run of one dtype in a bucket
+WHOLE = 1 << 62  # bucket bytes meaning "everything in one bucket" (shared memory)
 POLL = timedelta(minutes=10)  # a store wait that times out logs a warning: wait long, then again
 BARRIER_POLL = timedelta(seconds=2)  # how often the trainer looks for a replica re-joining meanwhile
 
@@ -194,12 +197,14 @@ class WeightGroup:
         shared memory, `tensors` are copied into the segment here (None: it already holds this version)
         and may change once this returns; over the broadcast they must stay until `finish` returns."""
         assert self.rank == 0 and self.pending is None
+        if self.shm is not None:  # one segment holds the whole version: one bucket
+            bucket_bytes = WHOLE
         plan = _buckets(manifest, bucket_bytes)
         joining = self.store.add("joins", 0)
         if not self.formed or joining > self.joins:  # a member re-joins (or the last epoch broke)
             self._next_epoch(joining)
         header: Header = {"version": version, "epoch": self.epoch, "tensors": manifest,
-                          "buckets": [b[0] for b in plan]}  # fmt: skip
+                          "bucket_bytes": bucket_bytes, "buckets": [b[0] for b in plan]}  # fmt: skip
         if self.shm is not None:  # every receiver reads the segment: fill it, then announce
             if tensors is not None:
                 self.stage(manifest, tensors)
@@ -214,9 +219,10 @@ class WeightGroup:
         (no publication may be in flight). They may change once this returns. Call it from the thread
         that computes: the copies run on one thread (`one_thread`)."""
         assert self.rank == 0 and self.pending is None
-        out = self._shared(sum(_nbytes(s, d) for _, s, d in manifest))
+        ((size, members),) = _buckets(manifest, WHOLE)
+        out = self._shared(size)
         with one_thread():
-            _pack(manifest, tensors, range(len(manifest)), out)
+            _pack(manifest, tensors, members, out)
 
     def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
         """Rank 0: the rest of the posted publication (the broadcast, the barrier). Returns the bytes.
@@ -226,7 +232,7 @@ class WeightGroup:
         while True:
             assert self.pending is not None
             header, bucket_bytes, tensors = self.pending
-            plan = _buckets(header["tensors"], bucket_bytes)
+            plan = _buckets(header["tensors"], header["bucket_bytes"])
             try:
                 if not self.formed:
                     self._form(self.epoch)
@@ -337,23 +343,21 @@ class WeightGroup:
         comes again in the next epoch).
         """
         manifest: Manifest = [(n, tuple(s), d) for n, s, d in header["tensors"]]
-        index = start = 0
+        start = 0
         shared = self._mapped(header["shm"], sum(header["buckets"])) if "shm" in header else None
-        for size in header["buckets"]:
+        plan = _buckets(manifest, header["bucket_bytes"])
+        if [size for size, _ in plan] != header["buckets"]:
+            raise RuntimeError(
+                "weight publication: bucket layout differs from the trainer's (another version?)"
+            )
+        for size, members in plan:
             if shared is not None:  # a view: `apply` copies what it keeps
                 buf = shared[start : start + size]
                 start += size
             else:
                 buf = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._broadcast(buf)
-            offset, named = 0, []
-            while offset < size:
-                name, shape, dtype = manifest[index]
-                n = _nbytes(shape, dtype)
-                named.append((name, buf[offset : offset + n].view(TORCH_DTYPES[dtype]).view(shape)))
-                offset += n
-                index += 1
-            apply(named)
+            apply(_unpack(manifest, members, buf))
         if applied is not None:
             applied()
         self._barrier()
@@ -374,19 +378,49 @@ class WeightGroup:
 
 
 def _pack(
-    manifest: Manifest, tensors: Sequence[torch.Tensor], members: Iterable[int], out: torch.Tensor
+    manifest: Manifest, tensors: Sequence[torch.Tensor], members: Sequence[int], out: torch.Tensor
 ) -> None:
-    """Copy tensors `members` (consecutive, in manifest order) into the bytes `out`, checking each. One
-    concatenation: a copy per tensor cost 3x as much for a model of 50 small tensors."""
-    raw = []
+    """Copy tensors `members` (consecutive, in manifest order) into the bytes `out` in the bucket layout
+    (`_runs`), checking each: one concatenation per run, not a copy per tensor (3x cheaper for 50 small
+    tensors)."""
     for index in members:
         t = tensors[index]
         name, shape, dtype = manifest[index]
         if tuple(t.shape) != tuple(shape) or DTYPE_NAMES[t.dtype] != dtype:
             raise ValueError(f"tensor {name}: got {tuple(t.shape)} {t.dtype}, manifest says {shape} {dtype}")
-        raw.append(t.detach().reshape(-1).view(torch.uint8))
-    if raw:
-        torch.cat(raw, out=out[: sum(r.numel() for r in raw)])
+    for start, nbytes, run in _runs(manifest, members):
+        raw = [tensors[i].detach().reshape(-1).view(torch.uint8) for i in run]
+        torch.cat(raw, out=out[start : start + nbytes])
+
+
+def _unpack(manifest: Manifest, members: Sequence[int], buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Tensors `members` of the bytes `buf` (a bucket packed by `_pack`) as named views: one split per
+    run, not three view operations per tensor (half the cost for 50 tensors)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for start, nbytes, run in _runs(manifest, members):
+        flat = buf[start : start + nbytes].view(TORCH_DTYPES[manifest[run[0]][2]])
+        counts = [math.prod(manifest[i][1]) for i in run]
+        out += [
+            (manifest[i][0], t.view(manifest[i][1])) for i, t in zip(run, flat.split(counts), strict=True)
+        ]
+    return out
+
+
+def _runs(manifest: Manifest, members: Sequence[int]) -> list[tuple[int, int, list[int]]]:
+    """The bucket layout: (byte offset, bytes, tensors) of each run of consecutive tensors of one dtype.
+    Tensors of a run lie back to back; each run starts ALIGN-aligned, so that a view of any dtype is
+    aligned whatever the sizes before it (a bfloat16 tensor of odd length followed by a float32 one)."""
+    runs: list[tuple[int, int, list[int]]] = []
+    last = None
+    for i in members:
+        _, shape, dtype = manifest[i]
+        if dtype != last:
+            end = runs[-1][0] + runs[-1][1] if runs else 0
+            runs.append((-(-end // ALIGN) * ALIGN, 0, []))
+            last = dtype
+        start, nbytes, run = runs[-1]
+        runs[-1] = (start, nbytes + _nbytes(shape, dtype), [*run, i])
+    return runs
 
 
 @contextlib.contextmanager
@@ -423,16 +457,18 @@ def _nbytes(shape: Iterable[int], dtype: str) -> int:
 
 
 def _buckets(manifest: Manifest, bucket_bytes: int) -> list[tuple[int, list[int]]]:
-    """Consecutive tensors grouped into buckets of at most bucket_bytes (a bigger tensor gets its own)."""
+    """Consecutive tensors grouped into buckets of at most bucket_bytes in the `_runs` layout (a bigger
+    tensor gets its own): (bucket bytes, tensors)."""
     out: list[tuple[int, list[int]]] = []
-    size, members = 0, list[int]()
+    members: list[int] = []
+    size, last = 0, None
     for i, (_, shape, dtype) in enumerate(manifest):
-        n = _nbytes(shape, dtype)
-        if members and size + n > bucket_bytes:
+        grown = (size if dtype == last else -(-size // ALIGN) * ALIGN) + _nbytes(shape, dtype)
+        if members and grown > bucket_bytes:
             out.append((size, members))
-            size, members = 0, []
-        size += n
+            members, grown = [], _nbytes(shape, dtype)
         members.append(i)
+        size, last = grown, dtype
     if members:
         out.append((size, members))
     return out

@@ -1,0 +1,48 @@
+"""Weights packed into one byte buffer and read back as views, the way publications travel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshrl.dataplane.batch import DTYPE_NAMES
+from meshrl.weights import _buckets, _nbytes, _pack, _unpack
+
+
+def test_mixed_dtypes_and_shapes_round_trip_bit_exact_through_every_bucket() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(4, 6, generator=g),
+        torch.randn(3, generator=g).to(torch.bfloat16),
+        torch.randn(5, 2, generator=g).to(torch.bfloat16),
+        torch.randn((), generator=g),  # a scalar
+        torch.randint(0, 9, (7,), generator=g),
+        torch.randn(8, 3, generator=g).t(),  # not contiguous
+        torch.randn(0, 4, generator=g),  # empty
+        torch.randn(2, 2, generator=g),
+    ]
+    manifest = [(f"w{i}", tuple(t.shape), DTYPE_NAMES[t.dtype]) for i, t in enumerate(tensors)]
+    for bucket_bytes in (1, 40, 1 << 20):  # a tensor per bucket, a few, all in one
+        got = {}
+        index = 0
+        for size, members in _buckets(manifest, bucket_bytes):
+            assert members[0] == index and size >= sum(_nbytes(*manifest[i][1:]) for i in members)
+            buf = torch.empty(size, dtype=torch.uint8)
+            _pack(manifest, tensors, members, buf)
+            got.update(_unpack(manifest, members, buf))
+            index = members[-1] + 1
+        assert list(got) == [m[0] for m in manifest]
+        for t, (name, _, _) in zip(tensors, manifest, strict=True):
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape
+            assert torch.equal(_bytes(got[name]), _bytes(t))  # bit for bit
+            assert got[name].data_ptr() % t.element_size() == 0  # aligned, whatever came before
+
+
+def test_a_tensor_that_does_not_match_the_manifest_is_refused() -> None:
+    manifest = [("w", (2, 2), "float32")]
+    with pytest.raises(ValueError, match="manifest says"):
+        _pack(manifest, [torch.zeros(4)], [0], torch.empty(16, dtype=torch.uint8))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
