@@ -411,16 +411,25 @@ def _runs(manifest: Manifest, members: Sequence[int]) -> list[tuple[int, int, li
     Tensors of a run lie back to back; each run starts ALIGN-aligned, so that a view of any dtype is
     aligned whatever the sizes before it (a bfloat16 tensor of odd length followed by a float32 one)."""
     runs: list[tuple[int, int, list[int]]] = []
+    start = size = 0
+    run: list[int] = []
     last = None
     for i in members:
         _, shape, dtype = manifest[i]
         if dtype != last:
-            end = runs[-1][0] + runs[-1][1] if runs else 0
-            runs.append((-(-end // ALIGN) * ALIGN, 0, []))
-            last = dtype
-        start, nbytes, run = runs[-1]
-        runs[-1] = (start, nbytes + _nbytes(shape, dtype), [*run, i])
+            if run:
+                runs.append((start, size - start, run))
+            start = size = _align(size)
+            run, last = [], dtype
+        run.append(i)
+        size += _nbytes(shape, dtype)
+    if run:
+        runs.append((start, size - start, run))
     return runs
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 @contextlib.contextmanager
@@ -463,7 +472,7 @@ def _buckets(manifest: Manifest, bucket_bytes: int) -> list[tuple[int, list[int]
     members: list[int] = []
     size, last = 0, None
     for i, (_, shape, dtype) in enumerate(manifest):
-        grown = (size if dtype == last else -(-size // ALIGN) * ALIGN) + _nbytes(shape, dtype)
+        grown = (size if dtype == last else _align(size)) + _nbytes(shape, dtype)
         if members and grown > bucket_bytes:
             out.append((size, members))
             members, grown = [], _nbytes(shape, dtype)

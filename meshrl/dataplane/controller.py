@@ -1,8 +1,8 @@
 """The controller: one process holding the data plane's metadata, serving every client.
 
-A single event loop over plain sockets (`rpc.py`) makes every request atomic without locks. A claim that cannot be
-served yet is parked and answered the moment rows become ready (or at its timeout); a put into a full
-partition is parked until rows are deleted. Clients never poll. Leases that expire return their rows.
+A single event loop over plain sockets (`rpc.py`) makes every request atomic without locks. A claim
+that cannot be served yet is parked and answered the moment rows become ready (or at its timeout); a
+put into a full partition is parked until rows are deleted. Clients never poll. Leases that expire return their rows.
 
 Malformed or hostile frames are answered with an `Error` (or dropped when they cannot even be routed)
 and logged; nothing a peer sends can stop the loop.
