@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,26 @@ class GroupBroken(RuntimeError):
     """A collective of the weight group failed: a member died. The group re-forms in a new epoch."""
 
 
+class Member(Protocol):
+    """A receiver's place in the group held by other processes: an engine whose model lives in worker
+    processes of its own (vLLM) takes the tensors there, so they never pass through the service. The
+    worker joins each epoch's process group, reads every bucket (broadcast, or the trainer's shared
+    memory) straight into its model, and takes part in the barrier; `WeightGroup` does the rest
+    (announcements, epochs, the store's barrier with shared memory)."""
+
+    def join(self, host: str, port: int, epoch: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Build the epoch's process group (`process_group` under the store prefix `epoch<n>/`)."""
+
+    def receive(self, header: Header) -> None:
+        """Load the announced version (`incoming` gives its tensors)."""
+
+    def barrier(self) -> None:
+        """The process group's barrier."""
+
+    def leave(self) -> None:
+        """Abort the process group (after a failure)."""
+
+
 class WeightGroup:
     def __init__(
         self,
@@ -68,10 +88,13 @@ class WeightGroup:
         timeout_s: float = 1800.0,
         device: str = "cpu",
         shm: tuple[str, str] | None = None,
+        member: Member | None = None,
     ) -> None:
         """`shm` (rank 0, CPU, every receiver on this host): (directory, segment name) of the shared
-        memory that carries the tensors instead of the broadcast; the announcement names it."""
+        memory that carries the tensors instead of the broadcast; the announcement names it. `member`
+        (receivers): the processes that receive the tensors in this one's place."""
         self.host, self.port = host, port
+        self.member = member
         self.shm = shm
         self.segment: Segment | None = None
         self.rank = rank
@@ -108,20 +131,23 @@ class WeightGroup:
         """Every member builds the epoch's process group (blocks until all have arrived). With shared
         memory there is none: the store carries the barrier too."""
         self.epoch = epoch
-        store = dist.PrefixStore(f"epoch{epoch}/", self.store)
+        self.pg = None
         if self.shared:
-            self.pg = None
-        elif self.device.type == "cuda":
-            self.pg = dist.ProcessGroupNCCL(
-                store, self.rank, self.world_size, dist.ProcessGroupNCCL.Options()
-            )
+            pass
+        elif self.member is not None:
+            timeout_s = self.timeout.total_seconds()
+            self.member.join(self.host, self.port, epoch, self.rank, self.world_size, timeout_s)
         else:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            store = dist.PrefixStore(f"epoch{epoch}/", self.store)
+            self.pg = process_group(store, self.rank, self.world_size, self.device, self.timeout)
         self.formed = True
 
     def _drop(self) -> None:
         """Give up the current group (after a failure): closing it frees members blocked on it."""
         pg, self.pg = self.pg, None
+        if self.member is not None and self.formed and not self.shared:
+            with contextlib.suppress(Exception):  # whatever state the member's group is in, it is gone
+                self.member.leave()
         self.formed = False
         if pg is not None:
             try:
@@ -147,7 +173,8 @@ class WeightGroup:
         memory, through the store: each receiver counts itself in, the last one says so, and the
         trainer waits for that, giving up when a restarted replica asks to join (the one missing)."""
         if not self.shared:
-            self._collective(lambda: self.pg.barrier().wait())
+            member = self.member
+            self._collective(member.barrier if member is not None else lambda: self.pg.barrier().wait())
             return
         n = self.published
         if self.rank != 0:
@@ -334,7 +361,8 @@ class WeightGroup:
         *,
         applied: Callable[[], None] | None = None,
     ) -> int:
-        """Ranks 1..N: the tensors `wait` announced, calling `apply` once per bucket. Returns the version.
+        """Ranks 1..N: the tensors `wait` announced, calling `apply` once per bucket (with a `member`, the
+        member loads them instead). Returns the version.
 
         Split from `wait` so a receiver can block for the next version without holding anything, then
         take its engine's lock only while weights actually change. `applied` is called once every
@@ -342,26 +370,26 @@ class WeightGroup:
         `GroupBroken` if a member died meanwhile (before `applied`: the version is incomplete here, and
         comes again in the next epoch).
         """
-        manifest: Manifest = [(n, tuple(s), d) for n, s, d in header["tensors"]]
-        start = 0
-        shared = self._mapped(header["shm"], sum(header["buckets"])) if "shm" in header else None
-        plan = _buckets(manifest, header["bucket_bytes"])
-        if [size for size, _ in plan] != header["buckets"]:
-            raise RuntimeError(
-                "weight publication: bucket layout differs from the trainer's (another version?)"
-            )
-        for size, members in plan:
-            if shared is not None:  # a view: `apply` copies what it keeps
-                buf = shared[start : start + size]
-                start += size
+        if self.member is not None and self.shared:  # nothing collective: an error is an error
+            self.member.receive(header)
+        elif self.member is not None:
+            self._collective(lambda: self.member.receive(header))  # type: ignore[union-attr]
+        else:
+            if "shm" in header:
+                read = reader(self._mapped(header["shm"], sum(header["buckets"])))
             else:
-                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-                self._broadcast(buf)
-            apply(_unpack(manifest, members, buf))
+                read = self._received
+            for named in incoming(header, read):
+                apply(named)
         if applied is not None:
             applied()
         self._barrier()
         return int(header["version"])
+
+    def _received(self, size: int) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._broadcast(buf)
+        return buf
 
     def _mapped(self, name: str, size: int) -> torch.Tensor:
         """Receivers: the trainer's segment at path `name` (mapped once; again when it is re-created)."""
@@ -375,6 +403,39 @@ class WeightGroup:
                     "visible here; shared memory needs every inference replica on the trainer's host"
                 ) from e
         return torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=size)
+
+
+def process_group(store: Any, rank: int, world_size: int, device: torch.device, timeout: timedelta) -> Any:
+    """A standalone process group over `store`: NCCL on GPU, gloo otherwise (not the default group, so it
+    lives beside a trainer's FSDP group or an engine's own)."""
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def incoming(header: Header, read: Callable[[int], torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The tensors of an announced publication, one bucket at a time, as named views of the bucket bytes
+    that `read(size)` gives (received by broadcast, or the next slice of the shared memory). Lazy: a
+    consumer that takes them as they come holds one bucket at a time."""
+    manifest: Manifest = [(n, tuple(s), d) for n, s, d in header["tensors"]]
+    plan = _buckets(manifest, header["bucket_bytes"])
+    if [size for size, _ in plan] != header["buckets"]:
+        raise RuntimeError("weight publication: bucket layout differs from the trainer's (another version?)")
+    for size, members in plan:
+        yield _unpack(manifest, members, read(size))
+
+
+def reader(shared: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """`read` for `incoming` over one shared-memory version: consecutive slices (views: the consumer
+    copies what it keeps before the group's barrier)."""
+    start = 0
+
+    def read(size: int) -> torch.Tensor:
+        nonlocal start
+        start += size
+        return shared[start - size : start]
+
+    return read
 
 
 def _pack(

@@ -160,3 +160,19 @@ def free_base_port() -> int:
         except OSError:
             continue
     raise RuntimeError("no free port range")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need CUDA devices (`gpus(n)` in the marker: that many); without them they are
+    skipped, saying why."""
+    marked = [(item, item.get_closest_marker("gpu")) for item in items]
+    marked = [(item, m) for item, m in marked if m is not None]
+    if not marked:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item, m in marked:
+        need = int(m.kwargs.get("gpus", 1))
+        if have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), {have} here"))

@@ -18,8 +18,12 @@ import abc
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from meshrl.weights import Member
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -140,6 +144,12 @@ class InferenceEngine(abc.ABC):
         Names are those of the Hugging Face model's `named_parameters()` (tied weights listed once), so a
         trainer holding the same HF model can send its tensors by name.
         """
+
+    def weight_member(self) -> Member | None:
+        """Engines whose model lives in worker processes of their own (vLLM) return the member that lets
+        those workers receive each weight version straight from the trainer (`meshrl.weights.Member`);
+        the others return None and get the tensors through `load_weights`."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (optional hook: most engines hold nothing outside)
         """Release what the engine holds outside this process (vLLM's worker processes, ...)."""

@@ -10,19 +10,23 @@ temperature)): vLLM is started with `logprobs_mode="processed_logprobs"`, which 
 long as no top-k / top-p truncation is applied (vLLM would renormalise over the kept tokens; the
 inference config refuses the combination).
 
-Weight updates: the received tensors are buffered, then, once every part of a version is in
-(`set_version`), written as one safetensors file and reloaded in place by the workers
-(`reload_weights(weights_path=...)`), followed by `reset_prefix_cache()` (cached prefixes hold KV of
-the old weights). That path works on the CPU build; on GPU the same call works, and a broadcast
-straight into the workers (NCCL, as vLLM documents for RL) is the faster path still to be wired in and
-verified on a GPU machine.
+Weight updates from the trainer go straight into vLLM's workers (`weight_member`,
+`meshrl.engines.vllm_worker`): each worker joins the trainer's weight group (NCCL on GPU, gloo on CPU)
+or maps its shared memory (one host), and feeds the buckets to vLLM's in-place reload as they arrive;
+then `reset_prefix_cache()` (cached prefixes hold KV of the old weights). Tensors handed to
+`load_weights` directly are buffered, then, once every part of a version is in (`set_version`),
+written as one safetensors file that the workers reload (`reload_weights(weights_path=...)`).
+
+vLLM's engine client is not thread-safe: generation steps and the weight group's calls (made by the
+inference service's receiving thread) take turns under one lock, so a weight update lands between two
+steps of generation.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,7 @@ from meshrl.engines.base import (
     SamplingParams,
     check_token_ids,
 )
+from meshrl.engines.served import ModelFacts
 
 INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
 SHUTDOWN_S = 30.0  # grace for vLLM's processes to exit (and unlink their shared memory) on close
@@ -66,25 +71,25 @@ class VLLMEngine(InferenceEngine):
         super().__init__()
         if not available():
             raise ImportError(f"the vLLM engine needs vLLM: {INSTALL}")
-        if not Path(model_path).is_dir():
-            raise FileNotFoundError(f"model path {model_path!r} is not a directory")
+        self.facts = ModelFacts.of(model_path)
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="meshrl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("VLLM_CACHE_ROOT", str(self.work_dir / "cache"))
-        # lets collective_rpc carry our own function (`_retie`) to vLLM's worker processes (children of
-        # this one; pickle, not a network boundary)
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        if not device.startswith("cuda"):
+        if device.startswith("cuda"):
+            # vLLM's worker takes the first visible device: make it this replica's (the service itself
+            # touches no GPU memory: the weights go straight to the worker)
+            index = torch.device(device).index or 0
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
             if threads:
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
-        from transformers import AutoConfig
         from vllm import LLM
 
-        config = AutoConfig.from_pretrained(model_path)
-        self.vocab_size = int(config.vocab_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self._eos = self._eos_ids(model_path, config)
+        self.vocab_size = self.facts.vocab_size
+        self.tied = self.facts.tied
+        self._eos = self.facts.eos
         self.llm = LLM(
             model=model_path,
             skip_tokenizer_init=True,
@@ -94,40 +99,27 @@ class VLLMEngine(InferenceEngine):
             max_num_seqs=max_batch_size,
             logprobs_mode="processed_logprobs",
             seed=seed,
+            worker_extension_cls="meshrl.engines.vllm_worker.WeightReceiver",
         )
+        self.rpc = threading.Lock()  # one caller of vLLM's engine client at a time
         self.engine = self.llm.llm_engine
-        self._listing = _listing(model_path)
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._next_id = 0
-
-    @staticmethod
-    def _eos_ids(model_path: str, config: Any) -> list[int]:
-        from transformers import AutoTokenizer, GenerationConfig
-
-        found: list[int] = []
-        sources: list[Any] = [getattr(config, "eos_token_id", None)]
-        with contextlib.suppress(OSError):
-            sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
-        with contextlib.suppress(OSError, ValueError):
-            sources.append(AutoTokenizer.from_pretrained(model_path).eos_token_id)
-        for s in sources:
-            for t in s if isinstance(s, list) else [s]:
-                if isinstance(t, int) and t not in found:
-                    found.append(t)
-        return found
 
     # -- weights -----------------------------------------------------------------------------------
 
     def parameters(self) -> list[tuple[str, tuple[int, ...], str]]:
-        return list(self._listing)
+        return list(self.facts.listing)
+
+    def weight_member(self) -> _Member:
+        return _Member(self)
+
+    def _call(self, method: str, *args: Any) -> None:
+        with self.rpc:
+            self.llm.collective_rpc(method, args=args)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        known = {name: shape for name, shape, _ in self._listing}
-        for name, tensor in named:
-            if name not in known:
-                raise ValueError(f"unknown parameter {name!r}")
-            if tuple(tensor.shape) != known[name]:
-                raise ValueError(f"shape mismatch for parameter {name!r}: got {tuple(tensor.shape)}")
+        for name, tensor in self.facts.checked(named):
             self._staged.append((name, tensor.detach().to("cpu", copy=True)))
 
     def set_version(self, version: int) -> None:
@@ -142,10 +134,11 @@ class VLLMEngine(InferenceEngine):
             path.mkdir(exist_ok=True)
             save_file(dict(self._staged), str(path / "model.safetensors"))
             self._staged = []
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            if self.tied:
-                self.llm.collective_rpc(_retie)
-            self.llm.reset_prefix_cache()
+            with self.rpc:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                if self.tied:
+                    self.llm.collective_rpc("meshrl_retie")
+                self.llm.reset_prefix_cache()
         super().set_version(version)
 
     # -- generation --------------------------------------------------------------------------------
@@ -186,19 +179,23 @@ class VLLMEngine(InferenceEngine):
             rid = f"r{self._next_id}"
             self._next_id += 1
             ids[rid] = i
-            self.engine.add_request(
-                rid, {"prompt_token_ids": list(prompt)}, self._params(params, seed, params.max_new_tokens)
-            )
+            with self.rpc:
+                self.engine.add_request(
+                    rid, {"prompt_token_ids": list(prompt)}, self._params(params, seed, params.max_new_tokens)
+                )
         out: list[Completion | None] = [None] * len(prompts)
         latest: dict[str, Any] = {}
         while self.engine.has_unfinished_requests():
             if interrupt is not None and interrupt():
                 left = [rid for rid in ids if out[ids[rid]] is None]
-                self.engine.abort_request(left)
+                with self.rpc:
+                    self.engine.abort_request(left)
                 for rid in left:
                     out[ids[rid]] = _completion(latest.get(rid), FINISH_INTERRUPTED)
                 break
-            for result in self.engine.step():
+            with self.rpc:
+                results = self.engine.step()
+            for result in results:
                 latest[result.request_id] = result
                 if result.finished and result.request_id in ids:
                     out[ids[result.request_id]] = _completion(result, None)
@@ -214,9 +211,10 @@ class VLLMEngine(InferenceEngine):
         # processed prompt logprobs apply the request's temperature, as generation does
         params = VParams(max_tokens=1, temperature=temperature if temperature > 0 else 1.0,
                          prompt_logprobs=0, detokenize=False)  # fmt: skip
-        results = self.llm.generate(
-            [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
-        )
+        with self.rpc:
+            results = self.llm.generate(
+                [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
+            )
         out = []
         for seq, start, r in zip(sequences, prompt_lens, results, strict=True):
             lps = r.prompt_logprobs  # position j: logprob of token j given the ones before (None at 0)
@@ -234,13 +232,25 @@ class VLLMEngine(InferenceEngine):
         self.engine.engine_core.shutdown(timeout=SHUTDOWN_S)
 
 
-def _retie(worker: Any) -> None:
-    """In a vLLM worker, after an in-place reload of a model whose output head is its input embedding:
-    the reload loads the embedding and post-processes the layers it loaded, but the head shares the
-    weight without being loaded itself, so its post-processed form (on CPU a packed copy for the GEMM)
-    still holds the old weights; redo it (measured: logprobs stopped following the updates before)."""
-    model = worker.model_runner.get_model()
-    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+class _Member:
+    """The engine's workers as the receiving member of the weight group (`meshrl.weights.Member`)."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+
+    def join(self, host: str, port: int, epoch: int, rank: int, world_size: int, timeout_s: float) -> None:
+        self.engine._call("meshrl_join", host, port, epoch, rank, world_size, timeout_s)
+
+    def receive(self, header: dict[str, Any]) -> None:
+        self.engine._call("meshrl_receive", header, self.engine.tied)
+        with self.engine.rpc:
+            self.engine.llm.reset_prefix_cache()
+
+    def barrier(self) -> None:
+        self.engine._call("meshrl_barrier")
+
+    def leave(self) -> None:
+        self.engine._call("meshrl_leave")
 
 
 def _completion(result: Any, reason: str | None) -> Completion:
@@ -252,16 +262,3 @@ def _completion(result: Any, reason: str | None) -> Completion:
     if reason is None:
         reason = FINISH_STOP if o.finish_reason == "stop" else FINISH_LENGTH
     return Completion(tokens, logprobs[: len(tokens)], reason)
-
-
-def _listing(model_path: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of every parameter of the HF model, as the trainer names them, built on the
-    meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    names = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-    return [(n, tuple(p.shape), names.get(str(p.dtype).replace("torch.", ""), "float32"))
-            for n, p in model.named_parameters()]  # fmt: skip

@@ -82,6 +82,7 @@ class InferenceService(Service):
                 1 + members.index(self.ctx.replica),
                 1 + len(members),
                 device=str(self.ctx.device),
+                member=self.engine.weight_member(),
             )
             if not self.weights.formed:  # re-joining a running run: the engine's weights are not current
                 self.engine.set_version(-1)
@@ -258,7 +259,8 @@ class InferenceService(Service):
 
         interrupt="finish": load directly if no batch is in progress; else receive into a staging copy
         without the engine lock (the trainer is never held up by a batch in progress), then swap it in
-        once the batch is done.
+        once the batch is done. An engine whose workers receive the weights themselves (vLLM) cannot
+        stage here: its update waits for the batch in progress.
         interrupt="continue": ask the batch in progress to stop at its next token, load the weights
         directly, and let the batch continue on them.
         """
@@ -294,8 +296,9 @@ class InferenceService(Service):
         if continuing:
             self.update_pending.set()
         # "continue" waits for the batch in progress to stop; "finish" loads directly only when no batch
-        # is in progress (always, in lock-step), else stages a copy and swaps it in after the batch
-        if not self.lock.acquire(blocking=continuing):  # a batch is in progress: stage, swap in after
+        # is in progress (always, in lock-step), else stages a copy and swaps it in after the batch; an
+        # engine whose workers receive the tensors themselves (no copy passes here) waits for the batch
+        if not self.lock.acquire(blocking=continuing or self.weights.member is not None):
             staged: list[tuple[str, torch.Tensor]] = []
             self.weights.receive(header, functools.partial(_stage, staged))  # the trainer is not held up
             with self.lock:

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from tests.integration.engine_checks import WeightLink, check_versions, direct
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
@@ -18,13 +20,21 @@ def shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_model):
+@pytest.mark.parametrize("transport", ["load_weights", "shm", "broadcast"])
+def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_model, transport):
+    """Weights reach vLLM's workers through `load_weights` (a file the workers reload), or straight from
+    the trainer's weight group: its shared memory mapped in the workers, or a gloo broadcast the workers
+    take part in (the path NCCL takes on GPU)."""
     from meshrl.engines.vllm import VLLMEngine
 
     before = shm()
     engine = VLLMEngine(str(arith_model), max_batch_size=32, threads=1, work_dir=str(tmp_path / "vllm"))
     try:
-        check_versions(engine, arith_model)
+        if transport == "load_weights":
+            check_versions(engine, arith_model, direct)
+        else:
+            with WeightLink(engine, tmp_path if transport == "shm" else None) as link:
+                check_versions(engine, arith_model, link.publish)
     finally:
         engine.close()
     deadline = time.monotonic() + 20  # vLLM's processes unlink their segments as they exit
@@ -33,42 +43,19 @@ def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_mo
     assert not shm() - before, f"vLLM left shared memory behind: {sorted(shm() - before)}"
 
 
-def check_versions(engine, arith_model) -> None:
-    from meshrl.engines.base import SamplingParams
-    from meshrl.engines.fsdp import FSDPEngine
-    from meshrl.engines.optim import OptimConfig
-    from meshrl.engines.packing import pack
-    from meshrl.roles.trainer.config import TrainerConfig
+@pytest.mark.gpu(gpus=2)
+def test_weights_broadcast_over_nccl_into_vllm_workers(tmp_path, arith_model):
+    """GPU: the trainer on device 0 broadcasts over NCCL straight into vLLM's worker on device 1 (NCCL
+    refuses two ranks on one device). Kernels differ from the trainer's: a looser tolerance."""
+    from meshrl.engines.vllm import VLLMEngine
 
-    trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device("cpu"))
-    cfg = TrainerConfig(model=str(arith_model), micro_batch=16)
-    g = torch.Generator().manual_seed(0)
-    prompts = [[int(t) for t in torch.randint(4, 16, (int(n),), generator=g)] for n in (3, 5, 2, 7, 4, 6)]
-    previous = None
-    for version in range(4):
-        if version:  # one real policy update, then publish it
-            rows = [torch.tensor(p) for p in prompts]
-            batch = pack(rows, [torch.tensor([5, 6, 7])] * len(rows), [torch.full((3,), -2.0)] * len(rows),
-                         torch.randn(len(rows), generator=g), torch.ones(len(rows), dtype=torch.bool))  # fmt: skip
-            trainer.update_policy(batch, cfg)
-            names = [name for name, _, _ in trainer.manifest()]
-            engine.load_weights(zip(names, trainer.get_weights(), strict=True))
-            engine.set_version(version)
-        assert engine.version == version
-        out = engine.generate(prompts, SamplingParams(max_new_tokens=6), seeds=list(range(len(prompts))))
-        assert all(c.tokens and len(c.logprobs) == len(c.tokens) for c in out)
-        packed = pack([torch.tensor(p) for p in prompts], [torch.tensor(c.tokens) for c in out], None,
-                      torch.zeros(len(out)), torch.ones(len(out), dtype=torch.bool))  # fmt: skip
-        with torch.no_grad():
-            lp, _, _ = trainer.forward_logprobs(packed, 1.0)
-        mine = torch.cat([torch.tensor(c.logprobs) for c in out])
-        theirs = lp[packed.mask]
-        assert (mine - theirs).abs().max() < 1e-5, (version, (mine - theirs).abs().max())
-        # the update really reached vLLM: the same first tokens are now scored differently
-        first = torch.tensor(engine.score([p + out[0].tokens[:1] for p in prompts[:1]], [len(prompts[0])])[0])
-        if previous is not None:
-            assert (first - previous).abs().max() > 1e-4
-        previous = first
+    torch.zeros(1, device="cuda:0")  # this process's CUDA sees every device before vLLM narrows the env
+    engine = VLLMEngine(str(arith_model), device="cuda:1", max_batch_size=32, work_dir=str(tmp_path / "vllm"))
+    try:
+        with WeightLink(engine, None, device="cuda:0") as link:
+            check_versions(engine, arith_model, link.publish, device="cuda:0", tolerance=1e-3)
+    finally:
+        engine.close()
 
 
 @pytest.mark.slow

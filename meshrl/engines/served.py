@@ -1,0 +1,72 @@
+"""What an engine serving a model in processes of its own (vLLM, SGLang) needs to know about it without
+loading it here: vocabulary size, tied embeddings, EOS tokens and the parameter listing, read from the
+model directory (the listing from a model built on the meta device: no memory)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Listing = list[tuple[str, tuple[int, ...], str]]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    vocab_size: int
+    tied: bool
+    """The output head is the input embedding (one weight, listed once)."""
+    eos: list[int]
+    listing: Listing
+    """(name, shape, dtype) of every parameter, as the trainer names them (`InferenceEngine.parameters`)."""
+
+    @classmethod
+    def of(cls, model_path: str) -> ModelFacts:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model path {model_path!r} is not a directory")
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        listing = [
+            (n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in model.named_parameters()
+        ]
+        return cls(
+            vocab_size=int(config.vocab_size),
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            eos=_eos_ids(model_path, config),
+            listing=listing,
+        )
+
+    def checked(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named`, each checked against the listing: ValueError naming an unknown parameter or a shape
+        mismatch (`InferenceEngine.load_weights`)."""
+        known = {name: shape for name, shape, _ in self.listing}
+        for name, tensor in named:
+            if name not in known:
+                raise ValueError(f"unknown parameter {name!r}")
+            if tuple(tensor.shape) != known[name]:
+                raise ValueError(f"shape mismatch for parameter {name!r}: got {tuple(tensor.shape)}")
+            yield name, tensor
+
+
+def _eos_ids(model_path: str, config: Any) -> list[int]:
+    """Every EOS id the model declares (config, generation config, tokenizer), in that order."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    found: list[int] = []
+    sources: list[Any] = [getattr(config, "eos_token_id", None)]
+    with contextlib.suppress(OSError):
+        sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    with contextlib.suppress(OSError, ValueError):
+        sources.append(AutoTokenizer.from_pretrained(model_path).eos_token_id)
+    for s in sources:
+        for t in s if isinstance(s, list) else [s]:
+            if isinstance(t, int) and t not in found:
+                found.append(t)
+    return found
