@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from meshrl.recipe import Recipe, ServiceGroup
 
 GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
-ENGINES = ("hf", "vllm", "sim")
+ENGINES = ("hf", "vllm", "sglang", "sim")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,16 @@ class VLLMSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SGLangSettings:
+    """Settings of the SGLang engine (engine="sglang", GPU only)."""
+
+    mem_fraction: float = 0.8
+    """Share of the GPU's memory SGLang takes for weights and KV cache (its `mem_fraction_static`)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion (None: the model's own limit)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class InferenceConfig(ServiceConfig):
     service = "meshrl.roles.inference.service:InferenceService"
     rejoins = True  # a restarted replica re-joins the weight group and gets the current version
@@ -48,12 +58,14 @@ class InferenceConfig(ServiceConfig):
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to from_pretrained (dtype, trust_remote_code, gguf_file, ...)."""
     engine: str = "hf"
-    """Generation engine: "hf" (transformers; CPU, tests, small models), "vllm" (needs the vllm extra)
-    or "sim" (sleeps; benchmarks)."""
+    """Generation engine: "hf" (transformers; CPU, tests, small models), "vllm" (needs the vllm extra),
+    "sglang" (GPU; needs the sglang extra) or "sim" (sleeps; benchmarks)."""
     sim: SimGeneration = SimGeneration()
     """Settings of the simulated engine."""
     vllm: VLLMSettings = VLLMSettings()
     """Settings of the vLLM engine."""
+    sglang: SGLangSettings = SGLangSettings()
+    """Settings of the SGLang engine."""
     temperature: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
@@ -94,14 +106,17 @@ class InferenceConfig(ServiceConfig):
             problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
         if not Path(self.model).exists():
             problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
-        if self.engine == "vllm":
-            from meshrl.engines import vllm
+        if self.engine in ("vllm", "sglang"):
+            from meshrl.engines import sglang, vllm
 
-            if not vllm.available():
-                problems.append(f"engine: 'vllm' needs vLLM, which is not installed: {vllm.INSTALL}")
+            module, name = (vllm, "vLLM") if self.engine == "vllm" else (sglang, "SGLang")
+            if not module.available():
+                problems.append(
+                    f"engine: {self.engine!r} needs {name}, which is not installed: {module.INSTALL}"
+                )
             if (self.top_k or self.top_p < 1) and self.temperature > 0:
                 problems.append(
-                    "engine: with top_k / top_p, vLLM's logprobs are renormalised over the kept tokens and "
+                    f"engine: with top_k / top_p, {name}'s logprobs are renormalised over the kept tokens and "
                     "would not match the trainer's; use the hf engine or turn truncation off"
                 )
         if self.trainer not in {g.id for g in recipe.groups}:

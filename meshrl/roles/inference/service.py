@@ -114,6 +114,18 @@ class InferenceService(Service):
                 work_dir=str(self.ctx.run_dir / "vllm" / self.ctx.name),
                 seed=self.ctx.recipe.seed,
             )
+        if cfg.engine == "sglang":
+            from meshrl.engines.sglang import SGLangEngine
+
+            return SGLangEngine(
+                cfg.model,
+                device=str(self.ctx.device),
+                loader_kwargs=cfg.loader_kwargs,
+                max_batch_size=cfg.max_batch,
+                max_model_len=cfg.sglang.max_model_len,
+                mem_fraction=cfg.sglang.mem_fraction,
+                seed=self.ctx.recipe.seed,
+            )
         from meshrl.engines.hf import HFEngine
 
         return HFEngine(
