@@ -3,8 +3,9 @@
     pip install 'meshrl[vllm]' && pip uninstall -y torchvision torchaudio torchcodec   # or: make test-vllm
     meshrl run recipes/grpo_arith_vllm.py *.model=runs/arith-sft
 
-vLLM's CPU build runs here; on a GPU machine the same recipe runs its CUDA build. The trainer publishes
-weights exactly as to the HF engine; the engine reloads them in place and resets its prefix cache.
+vLLM's CPU build runs here; on a GPU machine the same recipe runs its CUDA build. vLLM's worker takes
+each weight version from the trainer itself (shared memory on one host, else the weight group's
+broadcast: NCCL on GPU), reloads it in place and resets the prefix cache.
 """
 
 from grpo_arith import recipe as grpo_recipe
