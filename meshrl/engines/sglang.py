@@ -125,7 +125,9 @@ class SGLangEngine(InferenceEngine):
         sampling = []
         for i in range(len(prompts)):
             seed = (
-                seeds[i] % 2**63 if seeds is not None else (None if params.seed is None else params.seed + i)
+                seeds[i] % 2**63
+                if seeds is not None
+                else (None if params.seed is None else (params.seed + i) % 2**63)
             )
             sampling.append(self._sampling(params, seed))
         rids = [f"meshrl-{self._next_id + i}" for i in range(len(prompts))]

@@ -174,7 +174,9 @@ class VLLMEngine(InferenceEngine):
         ids: dict[str, int] = {}
         for i, prompt in enumerate(prompts):
             seed = (
-                seeds[i] % 2**63 if seeds is not None else (None if params.seed is None else params.seed + i)
+                seeds[i] % 2**63
+                if seeds is not None
+                else (None if params.seed is None else (params.seed + i) % 2**63)
             )
             rid = f"r{self._next_id}"
             self._next_id += 1
