@@ -55,6 +55,16 @@ class ModelFacts:
             yield name, tensor
 
 
+def request_seeds(n: int, seed: int | None, seeds: list[int] | None) -> list[int | None]:
+    """A sampler seed per request for engines that seed requests one by one (vLLM, SGLang), inside their
+    int64 range: the caller's per-prompt `seeds`, else the batch seed plus the row index, else None."""
+    if seeds is not None:
+        if len(seeds) != n:
+            raise ValueError(f"{len(seeds)} seeds for {n} prompts")
+        return [s % 2**63 for s in seeds]
+    return [None if seed is None else (seed + i) % 2**63 for i in range(n)]
+
+
 def _eos_ids(model_path: str, config: Any) -> list[int]:
     """Every EOS id the model declares (config, generation config, tokenizer), in that order."""
     from transformers import AutoTokenizer, GenerationConfig

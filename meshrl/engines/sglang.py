@@ -36,7 +36,7 @@ from meshrl.engines.base import (
     SamplingParams,
     check_token_ids,
 )
-from meshrl.engines.served import ModelFacts
+from meshrl.engines.served import ModelFacts, request_seeds
 
 INSTALL = "pip install 'meshrl[sglang]'"
 POLL_S = 0.005  # how often a generation in progress looks at `interrupt`
@@ -120,16 +120,7 @@ class SGLangEngine(InferenceEngine):
         seeds: list[int] | None = None,
     ) -> list[Completion]:
         check_token_ids(prompts, self.facts.vocab_size, "prompts")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        sampling = []
-        for i in range(len(prompts)):
-            seed = (
-                seeds[i] % 2**63
-                if seeds is not None
-                else (None if params.seed is None else (params.seed + i) % 2**63)
-            )
-            sampling.append(self._sampling(params, seed))
+        sampling = [self._sampling(params, seed) for seed in request_seeds(len(prompts), params.seed, seeds)]
         rids = [f"meshrl-{self._next_id + i}" for i in range(len(prompts))]
         self._next_id += len(prompts)
         results = self.engine.loop.run_until_complete(self._generate(prompts, sampling, rids, interrupt))

@@ -42,7 +42,7 @@ from meshrl.engines.base import (
     SamplingParams,
     check_token_ids,
 )
-from meshrl.engines.served import ModelFacts
+from meshrl.engines.served import ModelFacts, request_seeds
 
 INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
 SHUTDOWN_S = 30.0  # grace for vLLM's processes to exit (and unlink their shared memory) on close
@@ -169,15 +169,9 @@ class VLLMEngine(InferenceEngine):
         seeds: list[int] | None = None,
     ) -> list[Completion]:
         check_token_ids(prompts, self.vocab_size, "prompts")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         ids: dict[str, int] = {}
-        for i, prompt in enumerate(prompts):
-            seed = (
-                seeds[i] % 2**63
-                if seeds is not None
-                else (None if params.seed is None else (params.seed + i) % 2**63)
-            )
+        per_request = request_seeds(len(prompts), params.seed, seeds)
+        for i, (prompt, seed) in enumerate(zip(prompts, per_request, strict=True)):
             rid = f"r{self._next_id}"
             self._next_id += 1
             ids[rid] = i

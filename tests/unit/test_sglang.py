@@ -122,6 +122,10 @@ def test_generation_maps_params_seeds_logprobs_and_finish_reasons(engine):
     assert out[2].tokens == [13, 14, 10, 11] and out[2].finish_reason == FINISH_LENGTH
     with pytest.raises(ValueError, match="outside"):
         engine.generate([[10**6]], params)
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        engine.generate([[5]], params, seeds=[1, 2])
+    engine.generate([[5], [6]], SamplingParams(seed=2**64 - 1))  # a batch seed: seed + row, kept in int64
+    assert [s["sampling_seed"] for s in engine.engine.sampling] == [(2**64 - 1) % 2**63, 0]
 
 
 def test_an_interrupt_aborts_the_unfinished_requests_and_keeps_what_they_have(engine):
