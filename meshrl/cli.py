@@ -8,7 +8,7 @@ USAGE = """usage: meshrl COMMAND [ARGS]
 
 commands:
   demo                                       the main job: a tiny model learns arithmetic by GRPO
-  run RECIPE [--devices N] [key=value ...]   run a recipe on this host (one launcher per device)
+  run RECIPE [--devices N] [key=value ...]   run a recipe on this host (wraps torchrun)
   sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   queue serve [...]                          run the data plane's controller / storage server

@@ -1,4 +1,4 @@
-"""The SPMD launcher: one per device, started by torchrun (`meshrl run` starts them itself on one host).
+"""The SPMD launcher: one per device, started by torchrun (`meshrl run` wraps it on one host).
 
     torchrun --nnodes 4 --nproc-per-node 8 ... -m meshrl.launch recipes/grpo_math.py [key=value ...]
 
@@ -6,7 +6,7 @@ Each launcher gathers the device list over gloo, computes the same plan as every
 the data plane (controller on rank 0, a storage server per host) and then only its own service
 processes, waits until all are ready, and supervises them. A service that fails stops the run: its
 launcher prints which service, replica and rank failed with the tail of its traceback, and exits
-non-zero, which makes torchrun (or `meshrl run`) stop the other launchers. When training ends every process exits.
+non-zero, which makes torchrun stop the other launchers. When training ends every process exits.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """`meshrl run RECIPE [--devices N] [key=value ...]`: one host, one command.
 
 Validates the recipe and plans it before anything starts (a bad recipe fails here with every problem
-listed), then starts one launcher per device slot, with the environment torchrun would give them (on one host
-`meshrl run` does torchrun's part itself: torchrun's own start-up, importing torch, cost ~4 s a run;
-several hosts run `torchrun ... -m meshrl.launch` on each). On CPU a device is a virtual slot. As with
-torchrun, the first launcher that fails stops the others.
+listed), then starts one launcher per device slot through torchrun. On CPU a device is a virtual slot.
 
 When a service fails and its group's restart policy is "on-failure", the whole run is started again
 from the latest complete checkpoint (or from the start if there is none yet), up to `max_restarts`
@@ -18,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -84,50 +80,28 @@ def _failed(run_dir: Path) -> tuple[str, str]:
 
 
 def _launch(args: argparse.Namespace, n: int, t0: float, resume: Path | None) -> int:
-    """Start the n launchers of this host and wait for them; the exit code of the first that failed."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "--max-restarts=0",
+        "-m",
+        "meshrl.launch",
+        args.recipe,
+        *args.overrides,
+    ]
     env = {**os.environ, "MESHRL_T0": str(t0), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.setdefault("TORCHELASTIC_ERROR_FILE", os.devnull)
     env.pop("MESHRL_RESUME", None)
     if resume is not None:
         env["MESHRL_RESUME"] = str(resume)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-               GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_WORLD_SIZE=str(n))  # fmt: skip
-    cmd = [sys.executable, "-m", "meshrl.launch", args.recipe, *args.overrides]
-    procs = [
-        subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)})
-        for r in range(n)
-    ]
+    proc = subprocess.Popen(cmd, env=env)
 
     def forward(signum: int, _frame: object) -> None:
-        for p in procs:
-            p.send_signal(signum)
+        proc.send_signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c]
-        if failed:
-            _stop([p for p in procs if p.poll() is None])
-            return failed[0]
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.1)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
-    """SIGTERM (each launcher stops its own services), then SIGKILL what is left after the grace."""
-    for p in procs:
-        p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return proc.wait()
