@@ -163,10 +163,7 @@ class WeightGroup:
             raise GroupBroken(f"weight group epoch {self.epoch}: {str(e).splitlines()[0]}") from e
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
-        self._collective(lambda: self.pg.broadcast([tensor], opts).wait())
+        self._collective(lambda: broadcast_from_trainer(self.pg, tensor))
 
     def _barrier(self) -> None:
         """Every member has got this far (a broadcast would only tell the root that it sent). With shared
@@ -411,6 +408,14 @@ def process_group(store: Any, rank: int, world_size: int, device: torch.device, 
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def broadcast_from_trainer(pg: Any, tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` from rank 0 (the trainer) over the standalone group `pg`, and wait for it."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    pg.broadcast([tensor], opts).wait()
 
 
 def incoming(header: Header, read: Callable[[int], torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.dataplane.shm import Segment
-from meshrl.weights import Header, incoming, process_group, reader
+from meshrl.weights import Header, broadcast_from_trainer, incoming, process_group, reader
 
 
 class WeightReceiver:
@@ -68,10 +68,7 @@ class WeightReceiver:
 
     def _meshrl_broadcast(self, size: int) -> torch.Tensor:
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
-        self._meshrl_pg.broadcast([buf], opts).wait()
+        broadcast_from_trainer(self._meshrl_pg, buf)
         return buf
 
     def _meshrl_mapped(self, name: str, size: int) -> torch.Tensor:
