@@ -1,7 +1,8 @@
 """The training service: claim whole groups, update the policy, publish weights, open the gate.
 
 Every rank of the trainer replica claims its own share of each mini-batch straight from the data plane
-(consumer name "trainer", whole groups), so no rank ever forwards samples to another. After each step
+(consumer name "trainer", whole groups), so no rank ever forwards samples to another. A loader thread
+claims and packs the next mini-batch while the current one trains (`Loader`). After each step
 rank 0 publishes the new weight version to the inference replicas from a background thread, which then
 writes the gate row; rank 0 also appends the step's metrics to <run_dir>/metrics.jsonl.
 """
@@ -9,13 +10,16 @@ writes the gate row; rank 0 also appends the step's metrics to <run_dir>/metrics
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import queue
 import shutil
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
-from meshrl.dataplane import Batch, Ragged
+from meshrl.dataplane import Batch, Client, Ragged
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch, pack
@@ -85,7 +89,7 @@ class TrainerService(Service):
         self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)
         self.client = self.ctx.client()
         self.weights: WeightGroup | None = None
-        self.stream: Generator[Batch, None, None] | None = None
+        self.loader: Loader | None = None
         self.publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publisher")
         self.publish_s = 0.0
         if self.rank == 0:
@@ -143,7 +147,7 @@ class TrainerService(Service):
             # sharing devices in a ring, the step's data must all be there before the trainer takes the
             # devices: its mini-batches come from the generation it would otherwise keep off them
             t0 = time.perf_counter()
-            ready = [self.claim_minibatch() for _ in range(cfg.mini_batches)] if self.ring is not None else []
+            ready = [self.next_minibatch() for _ in range(cfg.mini_batches)] if self.ring is not None else []
             t1 = time.perf_counter()
             with self.device_turn():
                 ring_s = time.perf_counter() - t1
@@ -167,16 +171,16 @@ class TrainerService(Service):
         self.publisher.shutdown(cancel_futures=True)  # no more re-sends: the receivers are told to stop
         if self.weights is not None:
             self.weights.close()
-        if self.stream is not None:
-            self.stream.close()  # hands back the mini-batch claimed ahead, if any
+        if self.loader is not None:
+            self.loader.close()  # hands back the mini-batches claimed ahead, if any
         self.client.flush()
         while not self.finished():  # rollout ends the run once its last evaluation is in
             time.sleep(0.2)
 
     def train_step(
-        self, ready: list[Batch]
+        self, ready: list[MiniBatch]
     ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]], float, float]:
-        """One optimizer step per mini-batch (claimed here as each is ready, or given in `ready`).
+        """One optimizer step per mini-batch (taken here as each is ready, or given in `ready`).
         Returns the per-row summaries, the update statistics, and the seconds waiting and training."""
         cfg = self.config
         rows: list[dict[str, torch.Tensor]] = []
@@ -184,58 +188,47 @@ class TrainerService(Service):
         wait_s = train_s = 0.0
         for k in range(cfg.mini_batches):  # streaming: train on each mini-batch as soon as it is ready
             t0 = time.perf_counter()
-            batch = ready[k] if ready else self.claim_minibatch()
+            mini = ready[k] if ready else self.next_minibatch()
             t1 = time.perf_counter()
-            summary = summarize(batch, self.version)
-            keep = torch.ones(len(batch), dtype=torch.bool)
+            summary = mini.summary
+            summary["staleness"] = self.version - mini.born
+            keep = torch.ones(len(mini.batch), dtype=torch.bool)
             if cfg.max_staleness is not None:
                 keep = summary["staleness"] <= cfg.max_staleness
             summary["dropped"] = ~keep
             if keep.any():
-                stats.append(self.train(batch, keep, summary))
-            # rows are deleted once acked (retention); views into them end here: `summary` is a copy
-            self.client.ack(batch, wait=False)
+                stats.append(self.train(mini, keep, summary))
+            self.client.ack(mini.batch, wait=False)  # the rows go now (retention); all used was copied
             rows.append(summary)
             wait_s += t1 - t0
             train_s += time.perf_counter() - t1
         return rows, stats, wait_s, train_s
 
-    def claim_minibatch(self) -> Batch:
-        """This rank's share of one mini-batch: whole groups, all columns ready. Waits as long as needed;
-        the next claim is already in flight while this mini-batch trains."""
-        if self.stream is None:
+    def next_minibatch(self) -> MiniBatch:
+        """This rank's share of one mini-batch, packed: whole groups, all columns ready. Waits as long
+        as needed; the loader has usually claimed and packed it while the mini-batch before trained."""
+        if self.loader is None:
             cfg = self.config
             n = cfg.batch_size // cfg.mini_batches // self.world
-            self.stream = self.client.stream(
-                SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=cfg.group_size, prefetch=2,
-                poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
+            self.loader = Loader(
+                self.ctx.client(f"{self.ctx.name}-loader"), cfg.columns(), n, cfg.group_size,
+                functools.partial(prepare, cfg=cfg),
             )  # fmt: skip
         while True:
-            batch = next(self.stream)
-            if batch:
-                return batch
+            mini = self.loader.get(timeout=CLAIM_POLL_S)
+            if mini is not None:
+                return mini
             if self.finished(every=5.0):
                 raise RuntimeError("the run ended before the trainer received its next batch")
 
-    def train(self, batch: Batch, keep: torch.Tensor, summary: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train(
+        self, mini: MiniBatch, keep: torch.Tensor, summary: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
         cfg = self.config
+        packed = mini.packed
         if not bool(keep.all()):
-            index = keep.nonzero().squeeze(-1).tolist()
-            columns = {k: _pick(batch.columns[k], index) for k in batch.columns}
-            batch = Batch(batch.partition, batch.consumer, batch.claim, batch.ids[index], None, columns)
-        packed = pack(
-            batch.ragged("prompt"),
-            batch.ragged("response"),
-            batch.ragged("logprobs"),
-            batch["token_rewards" if cfg.value_head else "advantage"],
-            batch.tensor("valid"),
-            ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
-            stale=batch.tensor("version")[:, 0] < self.version,
-            teachers={
-                name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
-                for name in (cfg.teachers if cfg.distills else ())
-            },
-        )
+            packed = packed.rows(keep.nonzero().squeeze(-1))
+        packed.stale = mini.born[keep] < self.version
         critic: dict[str, float] = {}
         if cfg.value_head:
             critic = self.actor_critic_advantages(packed)
@@ -546,20 +539,112 @@ def distilled_advantages(packed: TrainBatch, cfg: TrainerConfig) -> torch.Tensor
     return torch.where(packed.mask, adv, 0.0)
 
 
-def summarize(batch: Batch, version: int) -> dict[str, torch.Tensor]:
-    """Copies of the per-row values the step's metrics need (the batch's views die with its rows)."""
+@dataclass
+class MiniBatch:
+    """A claimed mini-batch, ready to train: nothing here is a view into the data plane's rows."""
+
+    batch: Batch  # the claim, to acknowledge once trained
+    packed: TrainBatch
+    summary: dict[str, torch.Tensor]  # per-row values for the step's metrics
+    born: torch.Tensor  # [n] weight version of each row's first token
+
+
+def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
+    """Pack a claimed mini-batch for training and copy what the metrics need (loader thread)."""
+    packed = pack(
+        batch.ragged("prompt"),
+        batch.ragged("response"),
+        batch.ragged("logprobs"),
+        batch["token_rewards" if cfg.value_head else "advantage"],
+        batch.tensor("valid"),
+        ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
+        teachers={
+            name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
+            for name in (cfg.teachers if cfg.distills else ())
+        },
+    )
     versions = batch.tensor("version")
-    return {
+    summary = {
         "reward": batch.tensor("reward").clone(),
         "advantage": _row_means(batch["advantage"]) if "advantage" in batch else torch.zeros(len(batch)),
         "valid": batch.tensor("valid").bool().clone(),
         "length": batch.ragged("response").lengths.clone(),
         "gen_s": batch.tensor("gen_s").clone(),
         "gen_batch": batch.tensor("gen_batch").clone(),
-        "staleness": version - versions[:, 0],
         "continued": versions[:, 1] != versions[:, 0],
         "group": torch.tensor(batch.meta_of("group", -1), dtype=torch.int64),
     }
+    return MiniBatch(batch, packed, summary, versions[:, 0].clone())
+
+
+class Loader:
+    """A thread that claims this rank's next mini-batch and prepares it while the current one trains, so
+    the claim's round trip, the mapping of its segments and the packing stay off the training step.
+
+    It runs one mini-batch ahead (one claim in flight or prepared, one waiting to be taken): together
+    with the one training, no more rows are held than a rank needs. Its own data-plane connection:
+    a claim waiting for rows must not hold up the trainer's acknowledgements."""
+
+    def __init__(
+        self,
+        client: Client,
+        columns: Sequence[str],
+        n: int,
+        group_size: int,
+        prepare: Callable[[Batch], MiniBatch],
+    ) -> None:
+        self.client = client
+        self.prepare = prepare
+        self.stream = client.stream(
+            SAMPLES, "trainer", columns, n, min_n=n, group_size=group_size, prefetch=1, poll=CLAIM_POLL_S,
+            lease=3600, skip_empty=False,
+        )  # fmt: skip
+        self.ready: queue.Queue[MiniBatch] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="loader", daemon=True)
+        self.thread.start()
+
+    def get(self, timeout: float) -> MiniBatch | None:
+        """The next mini-batch, or None if none is ready within `timeout` (raises the loader's failure)."""
+        try:
+            return self.ready.get(timeout=timeout)
+        except queue.Empty:
+            if self.error is not None:
+                raise RuntimeError("the trainer's loader failed") from self.error
+            return None
+
+    def _run(self) -> None:
+        try:
+            for batch in self.stream:
+                if self.stop.is_set():
+                    self.client.release(batch)
+                    return
+                if not batch:
+                    continue
+                mini = self.prepare(batch)
+                while not self.stop.is_set():
+                    try:
+                        self.ready.put(mini, timeout=0.2)
+                        break
+                    except queue.Full:
+                        pass
+                else:
+                    self.client.release(batch)
+                    return
+        except BaseException as e:
+            if not self.stop.is_set():
+                self.error = e
+        finally:
+            self.stream.close()  # hands back the claim in flight, if any
+
+    def close(self) -> None:
+        """Stop claiming; what was claimed ahead and not taken goes back to the pool."""
+        self.stop.set()
+        self.thread.join()
+        while not self.ready.empty():
+            self.client.release(self.ready.get_nowait().batch)
+        self.client.close()
 
 
 def _row_means(value: torch.Tensor | Ragged) -> torch.Tensor:
@@ -574,9 +659,3 @@ def _row_means(value: torch.Tensor | Ragged) -> torch.Tensor:
 
 def _masked_row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (torch.where(mask, x, 0.0).sum(1) / mask.sum(1).clamp_min(1)).float()
-
-
-def _pick(value: torch.Tensor | Ragged, index: list[int]) -> torch.Tensor | Ragged:
-    if isinstance(value, Ragged):
-        return Ragged.from_list([value[i] for i in index], dtype=value.values.dtype)
-    return value[index]
