@@ -13,13 +13,10 @@ import dataclasses
 import functools
 import json
 import math
-import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,18 +31,15 @@ from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
-from meshrl.dataplane import Batch, Client, Ragged
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
-from meshrl.engines.packing import TrainBatch, pack
-from meshrl.roles import GATE, SAMPLES
+from meshrl.engines.packing import TrainBatch
+from meshrl.roles import GATE
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.teacher.config import teacher_columns
 from meshrl.roles.trainer.config import TrainerConfig
+from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch, prepare
 from meshrl.service import Service
 from meshrl.weights import WeightGroup
-
-CLAIM_POLL_S = 1.0
 
 
 class TrainerService(Service):
@@ -537,124 +531,6 @@ def distilled_advantages(packed: TrainBatch, cfg: TrainerConfig) -> torch.Tensor
             sampled, packed.old_logprobs, packed.mask
         )
     return torch.where(packed.mask, adv, 0.0)
-
-
-@dataclass
-class MiniBatch:
-    """A claimed mini-batch, ready to train: nothing here is a view into the data plane's rows."""
-
-    batch: Batch  # the claim, to acknowledge once trained
-    packed: TrainBatch
-    summary: dict[str, torch.Tensor]  # per-row values for the step's metrics
-    born: torch.Tensor  # [n] weight version of each row's first token
-
-
-def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
-    """Pack a claimed mini-batch for training and copy what the metrics need (loader thread)."""
-    packed = pack(
-        batch.ragged("prompt"),
-        batch.ragged("response"),
-        batch.ragged("logprobs"),
-        batch["token_rewards" if cfg.value_head else "advantage"],
-        batch.tensor("valid"),
-        ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
-        teachers={
-            name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
-            for name in (cfg.teachers if cfg.distills else ())
-        },
-    )
-    versions = batch.tensor("version")
-    summary = {
-        "reward": batch.tensor("reward").clone(),
-        "advantage": _row_means(batch["advantage"]) if "advantage" in batch else torch.zeros(len(batch)),
-        "valid": batch.tensor("valid").bool().clone(),
-        "length": batch.ragged("response").lengths.clone(),
-        "gen_s": batch.tensor("gen_s").clone(),
-        "gen_batch": batch.tensor("gen_batch").clone(),
-        "continued": versions[:, 1] != versions[:, 0],
-        "group": torch.tensor(batch.meta_of("group", -1), dtype=torch.int64),
-    }
-    return MiniBatch(batch, packed, summary, versions[:, 0].clone())
-
-
-class Loader:
-    """A thread that claims this rank's next mini-batch and prepares it while the current one trains, so
-    the claim's round trip, the mapping of its segments and the packing stay off the training step.
-
-    It runs one mini-batch ahead (one claim in flight or prepared, one waiting to be taken): together
-    with the one training, no more rows are held than a rank needs. Its own data-plane connection:
-    a claim waiting for rows must not hold up the trainer's acknowledgements."""
-
-    def __init__(
-        self,
-        client: Client,
-        columns: Sequence[str],
-        n: int,
-        group_size: int,
-        prepare: Callable[[Batch], MiniBatch],
-    ) -> None:
-        self.client = client
-        self.prepare = prepare
-        self.stream = client.stream(
-            SAMPLES, "trainer", columns, n, min_n=n, group_size=group_size, prefetch=1, poll=CLAIM_POLL_S,
-            lease=3600, skip_empty=False,
-        )  # fmt: skip
-        self.ready: queue.Queue[MiniBatch] = queue.Queue(maxsize=1)
-        self.error: BaseException | None = None
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="loader", daemon=True)
-        self.thread.start()
-
-    def get(self, timeout: float) -> MiniBatch | None:
-        """The next mini-batch, or None if none is ready within `timeout` (raises the loader's failure)."""
-        try:
-            return self.ready.get(timeout=timeout)
-        except queue.Empty:
-            if self.error is not None:
-                raise RuntimeError("the trainer's loader failed") from self.error
-            return None
-
-    def _run(self) -> None:
-        try:
-            for batch in self.stream:
-                if self.stop.is_set():
-                    self.client.release(batch)
-                    return
-                if not batch:
-                    continue
-                mini = self.prepare(batch)
-                while not self.stop.is_set():
-                    try:
-                        self.ready.put(mini, timeout=0.2)
-                        break
-                    except queue.Full:
-                        pass
-                else:
-                    self.client.release(batch)
-                    return
-        except BaseException as e:
-            if not self.stop.is_set():
-                self.error = e
-        finally:
-            self.stream.close()  # hands back the claim in flight, if any
-
-    def close(self) -> None:
-        """Stop claiming; what was claimed ahead and not taken goes back to the pool."""
-        self.stop.set()
-        self.thread.join()
-        while not self.ready.empty():
-            self.client.release(self.ready.get_nowait().batch)
-        self.client.close()
-
-
-def _row_means(value: torch.Tensor | Ragged) -> torch.Tensor:
-    """One number per row: the value itself, or the mean over the row's tokens for a ragged column."""
-    if not isinstance(value, Ragged):
-        return value.clone()
-    sums = torch.zeros(len(value), dtype=torch.float64).index_add_(
-        0, torch.repeat_interleave(torch.arange(len(value)), value.lengths), value.values.double()
-    )
-    return (sums / value.lengths.clamp_min(1)).float()
 
 
 def _masked_row_means(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
