@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,19 +63,13 @@ class Loader:
     with the one training, no more rows are held than a rank needs. Its own data-plane connection:
     a claim waiting for rows must not hold up the trainer's acknowledgements."""
 
-    def __init__(
-        self,
-        client: Client,
-        columns: Sequence[str],
-        n: int,
-        group_size: int,
-        prepare: Callable[[Batch], MiniBatch],
-    ) -> None:
+    def __init__(self, client: Client, cfg: TrainerConfig, n: int) -> None:
+        """Mini-batches of `n` rows (whole groups) with the columns `cfg` trains on."""
         self.client = client
-        self.prepare = prepare
+        self.cfg = cfg
         self.stream = client.stream(
-            SAMPLES, "trainer", columns, n, min_n=n, group_size=group_size, prefetch=1, poll=CLAIM_POLL_S,
-            lease=3600, skip_empty=False,
+            SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=cfg.group_size, prefetch=1,
+            poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
         )  # fmt: skip
         self.ready: queue.Queue[MiniBatch] = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
@@ -101,7 +94,7 @@ class Loader:
                     return
                 if not batch:
                     continue
-                mini = self.prepare(batch)
+                mini = prepare(batch, self.cfg)
                 while not self.stop.is_set():
                     try:
                         self.ready.put(mini, timeout=0.2)

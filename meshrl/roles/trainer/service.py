@@ -10,7 +10,6 @@ writes the gate row; rank 0 also appends the step's metrics to <run_dir>/metrics
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import shutil
@@ -37,7 +36,7 @@ from meshrl.engines.packing import TrainBatch
 from meshrl.roles import GATE
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
-from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch, prepare
+from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
 from meshrl.service import Service
 from meshrl.weights import WeightGroup
 
@@ -204,10 +203,7 @@ class TrainerService(Service):
         if self.loader is None:
             cfg = self.config
             n = cfg.batch_size // cfg.mini_batches // self.world
-            self.loader = Loader(
-                self.ctx.client(f"{self.ctx.name}-loader"), cfg.columns(), n, cfg.group_size,
-                functools.partial(prepare, cfg=cfg),
-            )  # fmt: skip
+            self.loader = Loader(self.ctx.client(f"{self.ctx.name}-loader"), cfg, n)
         while True:
             mini = self.loader.get(timeout=CLAIM_POLL_S)
             if mini is not None:
