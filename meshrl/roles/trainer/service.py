@@ -164,9 +164,9 @@ class TrainerService(Service):
         self.publisher.shutdown(cancel_futures=True)  # no more re-sends: the receivers are told to stop
         if self.weights is not None:
             self.weights.close()
+        self.client.flush()  # the acks first: closing the loader's connection hands back its open claims
         if self.loader is not None:
-            self.loader.close()  # hands back the mini-batches claimed ahead, if any
-        self.client.flush()
+            self.loader.close()  # the mini-batches claimed ahead go back to the pool
         while not self.finished():  # rollout ends the run once its last evaluation is in
             time.sleep(0.2)
 
