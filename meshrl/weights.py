@@ -267,6 +267,9 @@ class WeightGroup:
                         _pack(manifest, tensors, members, buf)
                         self._broadcast(buf)
                 self._barrier()  # with shared memory too: nobody reads the segment any more
+                # every receiver has read the announcement: delete it (the barrier's few bytes stay); a
+                # delete waits for the store's answer, so it happens here, off the training thread
+                self.store.delete_key(f"pub/{self.published}")
                 self.pending = None
                 return sum(b[0] for b in plan)
             except GroupBroken as e:
@@ -295,10 +298,10 @@ class WeightGroup:
         return torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=size)
 
     def _announce(self, header: Header) -> None:
+        """A `set` does not wait for the store's answer: the trainer is not held up while the store wakes
+        every receiver (dozens, on a few cores, take milliseconds). The key goes in `finish`."""
         self.published += 1
         self.store.set(f"pub/{self.published}", json.dumps(header))
-        if self.published > 2:  # every receiver has read the one before last (it took part in a barrier)
-            self.store.delete_key(f"pub/{self.published - 2}")  # (the barrier's few bytes stay)
 
     def _next_epoch(self, joining: int) -> None:
         """Rank 0: the next publication goes to a group re-formed in a new epoch, joiners included."""

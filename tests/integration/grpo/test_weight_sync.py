@@ -42,6 +42,9 @@ def test_logprobs_match_the_trainer_after_every_sync(tiny_model):
             assert version == theirs["version"] == expected
             diff = (torch.tensor(ours) - torch.tensor(theirs["logprobs"])).abs().max().item()
             assert diff < 1e-5, f"version {version}: inference and trainer logprobs differ by {diff}"
+            # the trainer's send returned before it printed: its announcement, read by every receiver, is
+            # gone from the store (the store does not grow with the number of versions)
+            assert not group.store.check([f"pub/{group.published}"])
             seen.append(ours)
         assert seen[0] != seen[-1], "training changed nothing: the test would pass without a sync"
     finally:
