@@ -133,9 +133,13 @@ class TrainerService(Service):
         every = self.ctx.recipe.checkpoint_every
         # inference starts from exactly the trainer's weights (after a resume: the gate of this version
         # was written before the checkpoint and must not be written twice)
+        # A step's line covers the time since the line before: the publication that opened the step,
+        # the wait for its data, its training. It is written before the next publication, whose
+        # announcement wakes every inference replica: bookkeeping after it would compete with dozens
+        # of processes for a few cores.
+        last_line = time.perf_counter()
         with self.device_turn():
-            self.publish(final=False, gate=self.start_step == 0)
-        last_gate = time.perf_counter()
+            sync_s = self.publish(final=False, gate=self.start_step == 0)
         for step in range(self.start_step, total):
             # sharing devices in a ring, the step's data must all be there before the trainer takes the
             # devices: its mini-batches come from the generation it would otherwise keep off them
@@ -146,15 +150,15 @@ class TrainerService(Service):
                 ring_s = time.perf_counter() - t1
                 rows, stats, wait_s, train_s = self.train_step(ready)
                 self.version += 1
+                now = time.perf_counter()
+                self.record(
+                    step, rows, stats, wait_s=wait_s + t1 - t0, train_s=train_s, sync_s=sync_s,
+                    step_s=now - last_line, ring_s=ring_s,
+                )  # fmt: skip
+                last_line = now
                 sync_s = self.publish(final=step == total - 1)
                 if step == total - 1 and cfg.save_final:  # still holding the devices, if in a ring
                     self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
-            now = time.perf_counter()
-            self.record(
-                step, rows, stats, wait_s=wait_s + t1 - t0, train_s=train_s, sync_s=sync_s,
-                step_s=now - last_gate, ring_s=ring_s,
-            )  # fmt: skip
-            last_gate = now
             self.ctx.health.info.update(step=step + 1, version=self.version)
             if every and (step + 1) % every == 0 and step + 1 < total:
                 with self.device_turn():
