@@ -131,13 +131,13 @@ class TrainerService(Service):
         cfg = self.config
         total = self.ctx.recipe.total_steps
         every = self.ctx.recipe.checkpoint_every
-        # inference starts from exactly the trainer's weights (after a resume: the gate of this version
-        # was written before the checkpoint and must not be written twice)
-        # A step's line covers the time since the line before: the publication that opened the step,
-        # the wait for its data, its training. It is written before the next publication, whose
+        # A step's metrics line covers the time since the line before: the publication that opened the
+        # step, the wait for its data, its training. It is written before the next publication, whose
         # announcement wakes every inference replica: bookkeeping after it would compete with dozens
         # of processes for a few cores.
         last_line = time.perf_counter()
+        # inference starts from exactly the trainer's weights (after a resume: the gate of this version
+        # was written before the checkpoint and must not be written twice)
         with self.device_turn():
             sync_s = self.publish(final=False, gate=self.start_step == 0)
         for step in range(self.start_step, total):
