@@ -175,6 +175,8 @@ class _Core:
     def remote_ranges(self, reply: P.ClaimReply) -> dict[str, list[tuple[int, int, int]]]:
         """Per remote host: (segment index, offset, nbytes) runs to fetch from its storage server."""
         wanted: dict[str, list[tuple[int, int, int]]] = {}
+        if all(ref.host == self.host for ref in reply.segments):  # the usual case: nothing to fetch
+            return wanted
         for col in reply.columns:
             for seg, off, nbytes in _runs(col):
                 ref = reply.segments[seg]

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import select
@@ -37,6 +38,13 @@ MAGIC = b"MESHRL1"
 GREETING_LEN = len(MAGIC) + 1 + 32
 MAX_FRAME = 64 << 20
 SPIN_S = 50e-6
+RECV_BYTES = 1 << 20
+RECV_CHUNK = 1 << 16
+_RIDS = itertools.count(1)  # request ids, unique within this process (0 is the auth answer's)
+
+
+def _rid() -> bytes:
+    return next(_RIDS).to_bytes(8, "little")
 
 
 def _address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
@@ -119,6 +127,9 @@ class RpcServer:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ, None)
         self.conns: set[Connection] = set()
+        # every read lands here first: `recv(n)` would allocate (and the kernel map) n bytes per call,
+        # which for a large n costs more than handling a small request
+        self.scratch = memoryview(bytearray(RECV_BYTES))
 
     def poll(self, timeout: float) -> None:
         events = self.sel.select(0)
@@ -157,16 +168,16 @@ class RpcServer:
 
     def _read(self, conn: Connection) -> None:
         try:
-            data = conn.sock.recv(1 << 20)
+            got = conn.sock.recv_into(self.scratch)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if not data:
+            got = 0
+        if not got:
             self.close(conn)
             return
         buf = conn.rbuf
-        buf += data
+        buf += self.scratch[:got]
         pos = 0
         while len(buf) - pos >= HEADER.size:
             length, rid = HEADER.unpack_from(buf, pos)
@@ -247,13 +258,19 @@ class RpcServer:
 
 
 class RpcClient:
-    """Blocking requests over one connection; several may be in flight, replies are matched by id."""
+    """Blocking requests over one connection; several may be in flight, replies are matched by id.
+
+    The socket stays in blocking mode and every wait goes through `select` with the time left: a socket
+    with a Python-level timeout would add a `poll` before each call, and switching modes costs a call too.
+    Replies are read in large chunks into a buffer, so a small reply is one `recv`.
+    """
 
     def __init__(self, endpoint: str, secret: str | None, timeout: float) -> None:
         family, addr = _address(endpoint)
         self.endpoint = endpoint
         self.timeout = timeout
         self.stash: dict[bytes, bytes] = {}
+        self.rbuf = bytearray()
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
@@ -262,11 +279,19 @@ class RpcClient:
             self.sock.close()
             raise ConnectionError(f"cannot reach the data-plane controller at {endpoint}: {e}") from e
         _tune(self.sock)
+        self.sock.settimeout(None)
         try:
-            greeting = self._recv_exact(GREETING_LEN)
+            deadline = time.monotonic() + timeout
+            while len(self.rbuf) < GREETING_LEN:
+                self._fill(deadline)
+            greeting = bytes(self.rbuf[:GREETING_LEN])
+            del self.rbuf[:GREETING_LEN]
             reply = answer(secret, greeting)
             if reply:
                 self.sock.sendall(HEADER.pack(len(reply), bytes(8)) + reply)
+        except TimeoutError:
+            self.sock.close()
+            raise ConnectionError(f"the data-plane controller at {endpoint} did not greet") from None
         except BaseException:
             self.sock.close()
             raise
@@ -279,21 +304,39 @@ class RpcClient:
             if r:
                 return
 
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if not k:
-                raise ConnectionError(f"the controller at {self.endpoint} closed the connection")
-            got += k
-        return bytes(buf)
+    def _fill(self, deadline: float | None) -> bool:
+        """Append what the socket holds to the buffer. Without a deadline, never block (returns whether
+        anything came); with one, wait for data until then (TimeoutError)."""
+        try:
+            data = self.sock.recv(RECV_CHUNK, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            if deadline is None:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise TimeoutError(f"no reply from {self.endpoint}") from None
+            data = self.sock.recv(RECV_CHUNK)
+        if not data:
+            raise ConnectionError(f"the controller at {self.endpoint} closed the connection")
+        self.rbuf += data
+        return True
+
+    def _frame(self) -> tuple[bytes, bytes] | None:
+        """The next whole reply in the buffer as (request id, body), or None."""
+        buf = self.rbuf
+        if len(buf) < HEADER.size:
+            return None
+        length, rid = HEADER.unpack_from(buf)
+        end = HEADER.size + length
+        if len(buf) < end:
+            return None
+        body = bytes(buf[HEADER.size : end])
+        del buf[:end]
+        return rid, body
 
     def send(self, body: bytes) -> bytes:
         """Send a request without waiting; returns its id for `wait`."""
-        rid = os.urandom(8)
-        self.sock.settimeout(None)
+        rid = _rid()
         self.sock.sendall(HEADER.pack(len(body), rid) + body)
         return rid
 
@@ -304,23 +347,25 @@ class RpcClient:
         """
         if rid in self.stash:
             return self.stash.pop(rid)
-        self.sock.settimeout(timeout)
-        self._spin()
         deadline = time.monotonic() + timeout
+        if len(self.rbuf) < HEADER.size:
+            self._spin()
         while True:
-            length, got = HEADER.unpack(self._recv_exact(HEADER.size))
-            data = self._recv_exact(length)
+            frame = self._frame()
+            if frame is None:
+                self._fill(deadline)
+                continue
+            got, body = frame
             if got == rid:
-                return data
-            self.stash[got] = data
-            self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+                return body
+            self.stash[got] = body
 
     def poll(self) -> None:
         """Read every reply that has already arrived into the stash, without blocking."""
-        while select.select([self.sock], [], [], 0)[0]:
-            self.sock.settimeout(self.timeout)
-            length, got = HEADER.unpack(self._recv_exact(HEADER.size))
-            self.stash[got] = self._recv_exact(length)
+        while self._fill(None):
+            pass
+        while (frame := self._frame()) is not None:
+            self.stash[frame[0]] = frame[1]
 
     def call(self, body: bytes, timeout: float) -> bytes:
         return self.wait(self.send(body), timeout)
@@ -375,7 +420,7 @@ class AsyncRpcClient:
             del e
 
     async def call(self, body: bytes, timeout: float) -> bytes:
-        rid = os.urandom(8)
+        rid = _rid()
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
         try:
