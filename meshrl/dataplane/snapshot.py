@@ -19,7 +19,17 @@ import msgspec
 import numpy as np
 
 from meshrl.dataplane import protocol as P
-from meshrl.dataplane.table import ACKED, CLAIMED, NOT_READY, PARTIAL, READY, Consumer, Partition, SegmentInfo
+from meshrl.dataplane.table import (
+    ACKED,
+    CLAIMED,
+    NOT_READY,
+    PARTIAL,
+    READY,
+    Consumer,
+    FreeSlots,
+    Partition,
+    SegmentInfo,
+)
 
 if TYPE_CHECKING:
     from meshrl.dataplane.controller import Controller
@@ -161,13 +171,14 @@ def _load_partition(ctl: Controller, ps: PartitionState) -> None:
     ids = np.frombuffer(ps.ids, dtype="<i8")
     n = len(ids)
     slots = np.arange(n, dtype=np.int64)
-    part.free = list(range(part.capacity - 1, n - 1, -1))
+    part.free = FreeSlots(part.capacity, used=n)
     part.row_id[slots] = ids
     part.group[slots] = np.frombuffer(ps.group, dtype="<i8")
     part.created[slots] = time.monotonic()
     part.meta[:n] = ps.meta
     part.meta_rows = sum(1 for m in ps.meta if m is not None)
-    part.id2slot = dict(zip(ids.tolist(), slots.tolist(), strict=True))
+    order = np.argsort(ids, kind="stable")
+    part.index.add(ids[order], slots[order], part.row_id)
     for cs in ps.columns:
         col = part.declare(cs.name)
         if cs.dtype is not None:

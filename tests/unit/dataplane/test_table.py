@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 from meshrl.dataplane import protocol as P
-from meshrl.dataplane.table import READY, Partition, TableError
+from meshrl.dataplane.table import READY, Partition, RowIndex, TableError
 
 SEG = P.SegmentRef("meshrl-t-1", "h", 1 << 30)
 
@@ -135,6 +135,14 @@ class TableModel(RuleBasedStateMachine):
             assert c.nready == len(want) == int((c.state == READY).sum())
         assert self.part.rows == len(self.cols)
 
+    @invariant()
+    def every_id_is_found_exactly_while_its_row_lives(self) -> None:
+        ids = np.arange(self.next_id, dtype=np.int64)
+        slots = self.part.slots_of(ids, strict=False)
+        live = np.asarray([i in self.cols for i in range(self.next_id)], dtype=bool)
+        assert (slots[~live] == -1).all()
+        assert (self.part.row_id[slots[live]] == ids[live]).all()
+
     def teardown(self) -> None:
         """Liveness: everything not acked or in flight is still deliverable, exactly once."""
         for name in ("a", "b"):
@@ -191,3 +199,38 @@ def test_partial_ack_keeps_the_rest_leased() -> None:
         part.ack(c, 1, ids[:1])
     assert part.expire(c, 1) == 2  # only the un-acked rows come back
     assert part.claim(c, 4, 60.0, 2).ids.tolist() == ids[2:].tolist()  # type: ignore[union-attr]
+
+
+def test_row_index_finds_live_rows_through_slot_reuse_and_trimming() -> None:
+    """Thousands of puts through a small partition: slots are reused many times over and the index trims
+    itself; every live id is found at its slot, and no deleted id is found at all."""
+    rng = np.random.default_rng(0)
+    part = Partition("p", 32, [])
+    live: list[int] = []
+    next_id = 0
+    for _ in range(3000):
+        n = int(rng.integers(1, 6))
+        while not part.can_put(n):  # delete random rows, as several consumers finishing out of order would
+            gone = rng.choice(len(live), size=min(len(live), int(rng.integers(1, 4))), replace=False)
+            part.delete_ids(np.asarray([live[g] for g in gone]))
+            live = [x for k, x in enumerate(live) if k not in set(gone.tolist())]
+        ids, _ = part.put(0, SEG, n, [write("x", n)], None, None, next_id)
+        next_id += n
+        live += ids.tolist()
+    assert len(part.index.ids) < 200, "the index must stay bounded by the live rows"
+    everything = np.arange(next_id, dtype=np.int64)
+    slots = part.slots_of(everything, strict=False)
+    assert set(everything[slots >= 0].tolist()) == set(live)
+    assert (part.row_id[slots[slots >= 0]] == everything[slots >= 0]).all()
+    with pytest.raises(TableError, match="unknown row ids"):
+        part.slots_of(np.asarray([0, live[0]]), strict=True)
+
+
+def test_row_index_lookup_spans_entries() -> None:
+    index = RowIndex()
+    row_id = np.full(16, -1, dtype=np.int64)
+    for ids, slots in [([3, 4, 5], [0, 1, 2]), ([9, 10], [7, 3]), ([20], [15])]:
+        row_id[slots] = ids
+        index.add(np.asarray(ids), np.asarray(slots), row_id)
+    got = index.find(np.asarray([20, 3, 10, 6, 2, 9, 21, 5]), row_id)
+    assert got.tolist() == [15, 0, 3, -1, -1, 7, -1, 2]
