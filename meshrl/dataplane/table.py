@@ -114,6 +114,8 @@ class RowIndex:
 
     def add(self, ids: np.ndarray, slots: np.ndarray, row_id: np.ndarray) -> None:
         """Index new rows: `ids` ascending and above every id indexed so far."""
+        if not len(ids):  # a restored partition without rows
+            return
         if len(self.ids) >= self._trim_at:
             self._trim(row_id)
         self.ids.append(ids)
@@ -511,6 +513,7 @@ class Partition:
 
     def delete_slots(self, slots: np.ndarray) -> tuple[int, dict[int, int]]:
         """Delete live rows. Returns (rows deleted, per segment index the references dropped)."""
+        slots = slots[self.row_id[slots] >= 0]  # a free slot pushed twice would hand two rows one slot
         if not len(slots):
             return 0, {}
         for c in self.consumers.values():

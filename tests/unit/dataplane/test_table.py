@@ -229,6 +229,8 @@ def test_row_index_finds_live_rows_through_slot_reuse_and_trimming() -> None:
 def test_row_index_lookup_spans_entries() -> None:
     index = RowIndex()
     row_id = np.full(16, -1, dtype=np.int64)
+    index.add(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), row_id)  # a restore of no rows
+    assert index.find(np.asarray([3]), row_id).tolist() == [-1]
     for ids, slots in [([3, 4, 5], [0, 1, 2]), ([9, 10], [7, 3]), ([20], [15])]:
         row_id[slots] = ids
         index.add(np.asarray(ids), np.asarray(slots), row_id)
