@@ -369,7 +369,6 @@ class Partition:
         if ids is None:
             rows = np.arange(next_id, next_id + n, dtype=np.int64)
             slots = self.free.take(n)
-            old = np.zeros(n, dtype=np.int64)
             self.row_id[slots] = rows
             self.created[slots] = time.monotonic()
             self.group[slots] = -1
@@ -393,6 +392,12 @@ class Partition:
             col.seg[slots] = seg_index
             col.off[slots] = starts
             col.length[slots] = lengths
+        if ids is None:  # new rows all have the same columns: a consumer finds all of them ready, or none
+            self.mask[slots] = cmask
+            for c in self.consumers.values():
+                if cmask & c.need == c.need:
+                    self.mark_ready(c, slots)
+            return rows, n * len(layouts)
         new = old | cmask
         self.mask[slots] = new
         for c in self.consumers.values():
