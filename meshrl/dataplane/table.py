@@ -146,7 +146,7 @@ class RowIndex:
         for i, s in zip(self.ids, self.slots, strict=True):
             live = row_id[s] == i
             k = int(np.count_nonzero(live))
-            if k == len(i) or k > len(i) // 2:
+            if k > len(i) // 2:  # mostly live: keep it whole
                 ids.append(i)
                 slots.append(s)
             elif k:
