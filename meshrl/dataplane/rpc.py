@@ -268,7 +268,6 @@ class RpcClient:
     def __init__(self, endpoint: str, secret: str | None, timeout: float) -> None:
         family, addr = _address(endpoint)
         self.endpoint = endpoint
-        self.timeout = timeout
         self.stash: dict[bytes, bytes] = {}
         self.rbuf = bytearray()
         self.sock = socket.socket(family, socket.SOCK_STREAM)
