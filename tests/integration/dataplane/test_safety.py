@@ -98,13 +98,14 @@ def _raw(endpoint: str) -> socket.socket:
 
 
 def frames(run: str) -> st.SearchStrategy[bytes]:
-    """Garbage, foreign msgpack, and protocol messages with hostile field values."""
+    """Garbage, foreign msgpack, and protocol messages with hostile field values, aimed at partition
+    "fuzzed" (some of them are valid requests, which may change it)."""
     ints = st.integers(-(2**63), 2**63 - 1)
     put = st.builds(
         lambda n, size, off, nb, lengths: P.encode(
             P.Put(
                 client="fuzz",
-                partition="rows",
+                partition="fuzzed",
                 n=n,
                 segment=P.SegmentRef(f"meshrl-{run}-fuzz-1", "h", size),
                 columns=[P.ColumnWrite("x", "int64", [], lengths is not None, off, nb, lengths)],
@@ -117,7 +118,7 @@ def frames(run: str) -> st.SearchStrategy[bytes]:
         st.none() | st.binary(max_size=24),
     )
     claim = st.builds(
-        lambda n, m, g, lease: P.encode(P.Claim("rows", "fuzz", ["x"], n, m, g, 0.0, lease)),
+        lambda n, m, g, lease: P.encode(P.Claim("fuzzed", "fuzz", ["x"], n, m, g, 0.0, lease)),
         st.integers(-3, 5),
         st.integers(-3, 5),
         st.none() | st.integers(-2, 5),
@@ -128,8 +129,8 @@ def frames(run: str) -> st.SearchStrategy[bytes]:
         st.builds(msgspec.msgpack.encode, st.dictionaries(st.text(max_size=8), ints, max_size=4)),
         put,
         claim,
-        st.builds(lambda ids: P.encode(P.Delete("rows", ids)), st.binary(max_size=40)),
-        st.builds(lambda c: P.encode(P.Ack("rows", "fuzz", c)), ints),
+        st.builds(lambda ids: P.encode(P.Delete("fuzzed", ids)), st.binary(max_size=40)),
+        st.builds(lambda c: P.encode(P.Ack("fuzzed", "fuzz", c)), ints),
         st.builds(
             lambda r: P.encode(P.Read(r)), st.lists(st.tuples(st.text(max_size=30), ints, ints), max_size=3)
         ),
@@ -139,6 +140,7 @@ def frames(run: str) -> st.SearchStrategy[bytes]:
 def test_hostile_frames_do_not_stop_the_servers(plane):
     with Client(plane.controller) as c:
         c.create_partition("rows", 16)
+        c.create_partition("fuzzed", 16)
         c.put("rows", {"x": torch.arange(3)})
         run = c.core.pool.prefix.split("-")[1]  # type: ignore[union-attr]
 
