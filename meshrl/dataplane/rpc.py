@@ -37,7 +37,8 @@ HEADER = struct.Struct("<I8s")
 MAGIC = b"MESHRL1"
 GREETING_LEN = len(MAGIC) + 1 + 32
 MAX_FRAME = 64 << 20
-SPIN_S = 50e-6
+SPIN_FLOOR_S = 50e-6
+SPIN_CAP_S = 500e-6
 RECV_BYTES = 1 << 20
 RECV_CHUNK = 1 << 16
 _RIDS = itertools.count(1)  # request ids, unique within this process (0 is the auth answer's)
@@ -45,6 +46,30 @@ _RIDS = itertools.count(1)  # request ids, unique within this process (0 is the 
 
 def _rid() -> bytes:
     return next(_RIDS).to_bytes(8, "little")
+
+
+class Spin:
+    """How long to busy-wait for the next event before sleeping, learned from the last few waits.
+
+    On a VM a sleeping vCPU takes tens of microseconds to wake and runs cold for a while after, so a
+    short wait is cheaper spent spinning; a long one (a parked claim, a producer held back by a full
+    partition, an idle controller) is not worth a core. So spin a little longer than the longest of the
+    last four waits when those were all short, and only briefly otherwise.
+    """
+
+    __slots__ = ("i", "recent")
+
+    def __init__(self) -> None:
+        self.recent = [SPIN_CAP_S] * 4
+        self.i = 0
+
+    def budget(self) -> float:
+        longest = 1.25 * max(self.recent)
+        return longest if longest <= SPIN_CAP_S else SPIN_FLOOR_S
+
+    def record(self, waited: float) -> None:
+        self.recent[self.i] = waited
+        self.i = (self.i + 1) & 3
 
 
 def _address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
@@ -130,18 +155,18 @@ class RpcServer:
         # every read lands here first: `recv(n)` would allocate (and the kernel map) n bytes per call,
         # which for a large n costs more than handling a small request
         self.scratch = memoryview(bytearray(RECV_BYTES))
+        self.spin = Spin()
 
     def poll(self, timeout: float) -> None:
         events = self.sel.select(0)
         if not events:
-            # Spin briefly before sleeping: requests come in bursts, and on a VM a sleeping vCPU takes
-            # tens of microseconds to wake and runs cold for a while after. The spin is short enough
-            # to cost nothing measurable when idle.
-            spin_until = time.perf_counter() + min(SPIN_S, timeout)
+            idle = time.perf_counter()
+            spin_until = idle + min(self.spin.budget(), timeout)
             while not events and time.perf_counter() < spin_until:
                 events = self.sel.select(0)
             if not events:
                 events = self.sel.select(timeout)
+            self.spin.record(time.perf_counter() - idle)
         for key, mask in events:
             if key.data is None:
                 self._accept()
@@ -270,6 +295,7 @@ class RpcClient:
         self.endpoint = endpoint
         self.stash: dict[bytes, bytes] = {}
         self.rbuf = bytearray()
+        self.spin = Spin()
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
@@ -295,9 +321,9 @@ class RpcClient:
             self.sock.close()
             raise
 
-    def _spin(self) -> None:
-        """Wait briefly for the reply without sleeping (see RpcServer.poll for why)."""
-        spin_until = time.perf_counter() + SPIN_S
+    def _spin(self, start: float) -> None:
+        """Wait briefly for the reply without sleeping (see `Spin`)."""
+        spin_until = start + self.spin.budget()
         while time.perf_counter() < spin_until:
             r, _, _ = select.select([self.sock], [], [], 0)
             if r:
@@ -347,15 +373,21 @@ class RpcClient:
         if rid in self.stash:
             return self.stash.pop(rid)
         deadline = time.monotonic() + timeout
+        start = time.perf_counter()
+        waited = False
         if len(self.rbuf) < HEADER.size:
-            self._spin()
+            self._spin(start)
+            waited = True
         while True:
             frame = self._frame()
             if frame is None:
                 self._fill(deadline)
+                waited = True
                 continue
             got, body = frame
             if got == rid:
+                if waited:
+                    self.spin.record(time.perf_counter() - start)
                 return body
             self.stash[got] = body
 
