@@ -15,6 +15,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
+
 from meshrl.dataplane.protocol import check_segment_name
 
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -42,6 +44,7 @@ class Segment:
         self.name = path.name
         self.mm = mm
         self.size = len(mm)
+        self.u8 = np.frombuffer(mm, dtype=np.uint8)  # slicing this is cheaper than a new view per column
 
     @classmethod
     def create(cls, directory: str, name: str, size: int) -> Segment:
