@@ -17,6 +17,7 @@ import heapq
 import logging
 import os
 import secrets
+import struct
 import threading
 import time
 from collections import OrderedDict, deque
@@ -39,6 +40,7 @@ from meshrl.dataplane.wire import host_id
 
 log = logging.getLogger("meshrl.controller")
 
+_I32 = struct.Struct("<i")
 MAX_RELEASED_PER_CLIENT = 64
 PUT_KEYS = 4096  # idempotency keys remembered (a producer repeats at most its last few puts)
 STORAGE_TIMEOUT_S = 600.0
@@ -346,7 +348,8 @@ class Controller:
 
     def _claim(self, conn: Connection, rid: bytes, msg: P.Claim) -> msgspec.Struct | None:
         part = self._partition(msg.partition)
-        P.check_name(msg.consumer, "consumer")
+        if msg.consumer not in part.consumers:  # a known one was checked when it was declared
+            P.check_name(msg.consumer, "consumer")
         if msg.n < 1 or not 1 <= msg.min_n <= msg.n:
             raise P.ProtocolError(
                 f"claim needs n >= 1 and 1 <= min_n <= n (got n={msg.n}, min_n={msg.min_n})"
@@ -403,36 +406,41 @@ class Controller:
         seg_list: list[P.SegmentRef] = []
         seg_pos: dict[int, int] = {}
         columns = []
+        n = len(slots)
         for name in c.columns:
             col = part.columns[name]
             assert col.dtype is not None
             segs = col.seg[slots]
             first = int(segs[0])
-            if len(segs) == 1 or np.count_nonzero(segs != first) == 0:  # the usual case: one write
-                uniq, inverse = [first], None
+            if n == 1 or not np.count_nonzero(segs != first):  # the usual case: rows of one write
+                pos = seg_pos.get(first)
+                if pos is None:
+                    pos = seg_pos[first] = len(seg_list)
+                    seg_list.append(self.segments[first].ref)
+                segment = _I32.pack(pos) * n
             else:
-                u, inverse = np.unique(segs, return_inverse=True)
-                uniq = u.tolist()
-            pos = np.empty(len(uniq), dtype="<i4")
-            for k, s in enumerate(uniq):
-                if s not in seg_pos:
-                    seg_pos[s] = len(seg_list)
-                    seg_list.append(self.segments[s].ref)
-                pos[k] = seg_pos[s]
+                uniq, inverse = np.unique(segs, return_inverse=True)
+                where = np.empty(len(uniq), dtype="<i4")
+                for k, s in enumerate(uniq.tolist()):
+                    if s not in seg_pos:
+                        seg_pos[s] = len(seg_list)
+                        seg_list.append(self.segments[s].ref)
+                    where[k] = seg_pos[s]
+                segment = where[inverse].tobytes()
             columns.append(
                 P.ColumnRead(
                     name=name,
                     dtype=col.dtype,
                     shape=col.shape,
                     ragged=col.ragged,
-                    segment=(pos[inverse] if inverse is not None else np.repeat(pos, len(segs))).tobytes(),
-                    offset=col.off[slots].astype("<i8", copy=False).tobytes(),
-                    length=col.length[slots].astype("<i8", copy=False).tobytes(),
+                    segment=segment,
+                    offset=col.off[slots].tobytes(),  # little-endian arrays (see `Partition.declare`)
+                    length=col.length[slots].tobytes(),
                 )
             )
         return P.ClaimReply(
             claim=claim_id,
-            ids=ids.astype("<i8").tobytes(),
+            ids=ids.astype("<i8", copy=False).tobytes(),
             segments=seg_list,
             columns=columns,
             meta=[part.meta[s] for s in slots.tolist()] if part.meta_rows else None,

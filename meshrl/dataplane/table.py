@@ -185,7 +185,7 @@ class Partition:
         self.capacity = capacity
         self.delete_when_acked_by = list(delete_when_acked_by)
         self.columns: dict[str, Column] = {}
-        self.row_id = np.full(capacity, -1, dtype=np.int64)
+        self.row_id = np.full(capacity, -1, dtype="<i8")
         self.mask = np.zeros(capacity, dtype=np.int64)
         self.group = np.full(capacity, -1, dtype=np.int64)
         self.created = np.zeros(capacity, dtype=np.float64)
@@ -225,15 +225,17 @@ class Partition:
                 [],
                 False,
                 0,
-                np.zeros(cap, dtype=np.int32),
-                np.zeros(cap, dtype=np.int64),
-                np.zeros(cap, dtype=np.int64),
+                np.zeros(cap, dtype="<i4"),  # little-endian: claim replies send slices of these as is
+                np.zeros(cap, dtype="<i8"),
+                np.zeros(cap, dtype="<i8"),
             )
             self.columns[name] = col
         return col
 
     def _column(self, cw: ColumnWrite, item: int) -> Column:
-        col = self.declare(cw.name)
+        col = self.columns.get(cw.name) or self.declare(cw.name)
+        if col.dtype == cw.dtype and col.ragged == cw.ragged and col.shape == cw.shape:  # the usual case
+            return col
         if col.dtype is None:
             col.dtype, col.shape, col.ragged, col.item = cw.dtype, list(cw.shape), cw.ragged, item
         elif (col.dtype, col.shape, col.ragged) != (cw.dtype, list(cw.shape), cw.ragged):
@@ -266,7 +268,7 @@ class Partition:
             live = np.flatnonzero(self.row_id >= 0)
             live = live[np.argsort(self.row_id[live], kind="stable")]
             self.mark_ready(c, live[(self.mask[live] & need) == need])
-        elif sorted(c.columns) != sorted(columns) or c.group_size != group_size:
+        elif (c.columns != columns and sorted(c.columns) != sorted(columns)) or c.group_size != group_size:
             raise TableError(
                 "conflict",
                 f"consumer {name!r} of partition {self.name!r} was declared with columns {c.columns} "
@@ -329,7 +331,11 @@ class Partition:
         # validate every column against the segment before touching any state
         checked = []
         for cw in columns:
-            item = item_bytes(cw.dtype, cw.shape)
+            known = self.columns.get(cw.name)
+            if known is not None and known.dtype == cw.dtype and known.shape == cw.shape:
+                item = known.item  # validated by the column's first write (its raggedness: by `_column`)
+            else:
+                item = item_bytes(cw.dtype, cw.shape)
             lengths: np.ndarray | int
             if cw.ragged:
                 lengths = int64s(cw.lengths, f"column {cw.name!r} lengths")
@@ -344,7 +350,11 @@ class Partition:
                 if cw.lengths is not None:
                     raise TableError("bad_request", f"dense column {cw.name!r} carries lengths")
                 lengths, items = 1, n
-                starts = cw.offset + np.arange(n, dtype=np.int64) * item
+                starts = (
+                    np.arange(cw.offset, cw.offset + n * item, item, dtype=np.int64)
+                    if item
+                    else np.full(n, cw.offset, dtype=np.int64)
+                )
             if items * item != cw.nbytes or cw.offset < 0 or cw.offset + cw.nbytes > seg.size:
                 raise TableError(
                     "bad_request",
