@@ -42,7 +42,15 @@ class AsyncClient:
     ) -> AsyncClient:
         rpc = await AsyncRpcClient.connect(endpoint, secret, timeout)
         self = cls(rpc, secret=secret, name=name, timeout=timeout)
-        self.core.on_hello(await self._call(self.core.hello(), timeout))
+        hello = await self._call(self.core.hello(), timeout)
+        self.core.on_hello(hello)
+        if local := self.core.local(hello):  # the controller's Unix socket: cheaper (see `Client`)
+            try:
+                self.rpc = await AsyncRpcClient.connect(local, secret, timeout)
+            except ConnectionError:
+                pass
+            else:
+                await rpc.close()
         return self
 
     @property

@@ -105,6 +105,10 @@ class _Core:
         self.maps = MapCache(reply.shm_dir)
         self.storages = dict(reply.storages)
 
+    def local(self, reply: P.HelloReply) -> str:
+        """The controller's Unix-socket endpoint if it runs on this host (cheaper than TCP), else ""."""
+        return reply.local if reply.local and reply.host == self.host else ""
+
     def prepare_put(
         self,
         partition: str,
@@ -318,7 +322,12 @@ class Client:
         self._closed = False
         self._inflight_puts: list[PendingPut] = []
         self._unconfirmed: list[bytes] = []  # ids of acks sent with wait=False
-        self.core.on_hello(self._call(self.core.hello(), self.timeout))
+        hello = self._call(self.core.hello(), self.timeout)
+        self.core.on_hello(hello)
+        self._local = self.core.local(hello)
+        if self._local:
+            self._drop_rpc()
+            self._rpc = self._connect()
 
     @property
     def name(self) -> str:
@@ -334,12 +343,21 @@ class Client:
             if self._rpc is None:
                 if self._inflight_puts or self._unconfirmed:
                     raise ConnectionError("lost the controller connection with requests in flight")
-                self._rpc = RpcClient(self.endpoint, self.secret, self.timeout)
+                self._rpc = self._connect()
             try:
                 return self._rpc.send(P.encode(msg))
             except OSError:
                 self._drop_rpc()
                 raise
+
+    def _connect(self) -> RpcClient:
+        """A connection to the controller: its Unix socket when it runs on this host, else TCP."""
+        if self._local:
+            try:
+                return RpcClient(self._local, self.secret, self.timeout)
+            except ConnectionError:  # another network namespace, or a restarted controller
+                self._local = ""
+        return RpcClient(self.endpoint, self.secret, self.timeout)
 
     def _wait(self, rid: bytes, wait: float, what: str) -> Any:
         """The decoded reply to `rid` (errors are returned, not raised)."""

@@ -249,7 +249,13 @@ class Controller:
             self._waiting_hosts.discard(msg.host)
         else:
             self.clients[msg.client] = ClientInfo(msg.host, msg.pid)
-        return P.HelloReply(run=self.run, shm_dir=self.shm_dir, storages=dict(self.storage.endpoints))
+        return P.HelloReply(
+            run=self.run,
+            shm_dir=self.shm_dir,
+            storages=dict(self.storage.endpoints),
+            host=self.host,
+            local=self.server.local_endpoint,
+        )
 
     def _create(self, msg: P.CreatePartition) -> P.Ok:
         P.check_name(msg.partition, "partition")

@@ -219,6 +219,8 @@ class HelloReply(msgspec.Struct, tag="hello_reply", frozen=True):
     run: str  # token that prefixes every segment name of this run
     shm_dir: str
     storages: dict[str, str]  # host -> endpoint
+    host: str = ""  # the controller's host
+    local: str = ""  # where clients on that host reach the controller more cheaply (a Unix socket)
 
 
 class PutReply(msgspec.Struct, tag="put_reply", frozen=True):

@@ -24,6 +24,7 @@ import select
 import selectors
 import socket
 import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -73,6 +74,8 @@ class Spin:
 
 
 def _address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
+    if endpoint.startswith("ipc://@"):  # Linux's abstract namespace: no file, gone with its last socket
+        return socket.AF_UNIX, "\0" + endpoint[len("ipc://@") :]
     if endpoint.startswith("ipc://"):
         return socket.AF_UNIX, endpoint[len("ipc://") :]
     if endpoint.startswith("tcp://"):
@@ -131,31 +134,45 @@ class RpcServer:
         """`on_close(conn)` runs when a connection ends other than by `shutdown` (the peer closed it, or
         died: the kernel closes a killed process's sockets)."""
         check_bind(endpoint, secret)
-        family, addr = _address(endpoint)
         self.secret = secret
         self.handler = handler
         self.on_close = on_close
-        self.listener = socket.socket(family, socket.SOCK_STREAM)
-        if isinstance(addr, str):
-            if os.path.exists(addr):
-                os.unlink(addr)
-        else:
-            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(addr)
-        self.listener.listen(512)
-        self.listener.setblocking(False)
-        if family == socket.AF_UNIX:
-            self.endpoint = endpoint
-        else:
-            host, port = self.listener.getsockname()[:2]
-            self.endpoint = f"tcp://{host}:{port}"
         self.sel = selectors.DefaultSelector()
-        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        self.listeners: list[socket.socket] = []
+        self.endpoint = self._listen(endpoint)
+        # Clients on this host switch to a Unix socket, which costs the kernel less per message than
+        # TCP over loopback (see `Client`); the same secret guards it.
+        self.local_endpoint = ""
+        if endpoint.startswith("tcp://") and sys.platform == "linux":
+            self.local_endpoint = self._listen(f"ipc://@meshrl-{os.getpid()}-{os.urandom(8).hex()}")
         self.conns: set[Connection] = set()
         # every read lands here first: `recv(n)` would allocate (and the kernel map) n bytes per call,
         # which for a large n costs more than handling a small request
         self.scratch = memoryview(bytearray(RECV_BYTES))
         self.spin = Spin()
+
+    def _listen(self, endpoint: str) -> str:
+        """Bind and register a listening socket; returns the endpoint it is reachable at."""
+        family, addr = _address(endpoint)
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if isinstance(addr, str):
+                if not addr.startswith("\0") and os.path.exists(addr):
+                    os.unlink(addr)
+            else:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(addr)
+            listener.listen(512)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self.listeners.append(listener)
+        self.sel.register(listener, selectors.EVENT_READ, None)
+        if family == socket.AF_UNIX:
+            return endpoint
+        host, port = listener.getsockname()[:2]
+        return f"tcp://{host}:{port}"
 
     def poll(self, timeout: float) -> None:
         events = self.sel.select(0)
@@ -169,7 +186,7 @@ class RpcServer:
             self.spin.record(time.perf_counter() - idle)
         for key, mask in events:
             if key.data is None:
-                self._accept()
+                self._accept(key.fileobj)  # type: ignore[arg-type]
                 continue
             conn: Connection = key.data
             if mask & selectors.EVENT_WRITE:
@@ -177,15 +194,18 @@ class RpcServer:
             if mask & selectors.EVENT_READ and not conn.closed:
                 self._read(conn)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         for _ in range(64):
             try:
-                sock, peer = self.listener.accept()
+                sock, peer = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(False)
             _tune(sock)
             nonce = os.urandom(32) if self.secret else None
+            if sock.family == socket.AF_UNIX and hasattr(socket, "SO_PEERCRED"):
+                pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                peer = f"local pid {pid}"
             conn = Connection(sock, str(peer), nonce)
             self.conns.add(conn)
             self.sel.register(sock, selectors.EVENT_READ, conn)
@@ -279,7 +299,8 @@ class RpcServer:
         for conn in list(self.conns):
             self.close(conn, notify=False)
         self.sel.close()
-        self.listener.close()
+        for listener in self.listeners:
+            listener.close()
 
 
 class RpcClient:

@@ -69,6 +69,11 @@ def test_client_without_the_secret_is_refused(tmp_path):
         with Client(p.controller, secret="s3cret") as c:
             c.create_partition("rows", 4)
             c.put("rows", {"x": torch.arange(2)})
+            local = c._local
+        # the controller's Unix socket (same-host clients) asks for the same secret
+        assert local.startswith("ipc://@")
+        with pytest.raises(AuthError, match="shared secret"):
+            Client(local, timeout=5)
         # the storage server refuses unauthenticated ZMQ peers before any frame reaches it
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -202,6 +207,7 @@ def test_wire_modules_never_unpickle():
 def test_async_client(plane):
     async def main() -> None:
         c = await AsyncClient.connect(plane.controller)
+        assert c.rpc.endpoint.startswith("ipc://@")  # same host: the controller's Unix socket
         await c.create_partition("rows", 32, delete_when_acked_by=["t"])
         waiting = asyncio.create_task(c.claim("rows", "t", ["x"], 4, min_n=4, timeout=10))
         await asyncio.sleep(0.1)
@@ -246,3 +252,18 @@ def test_a_peer_off_loopback_without_the_secret_is_refused(tmp_path, outside_add
             c.create_partition("rows", 4)
     finally:
         stop_plane(p)
+
+
+def test_clients_on_the_controllers_host_talk_over_its_unix_socket(plane, monkeypatch):
+    """The controller listens on TCP and on a Unix socket; a client on its host moves to the latter
+    (cheaper per message), one on another host stays on TCP, and both see the same table."""
+    with Client(plane.controller) as here:
+        assert here._rpc is not None and here._rpc.endpoint.startswith("ipc://@")
+        here.create_partition("rows", 8)
+        ids = here.put("rows", {"x": torch.arange(3)})
+        monkeypatch.setenv("MESHRL_HOST_ID", "elsewhere")
+        with Client(plane.controller) as there:
+            assert there._rpc is not None and there._rpc.endpoint == plane.controller
+            b = there.claim("rows", "t", ["x"], 3)
+            assert b.ids.tolist() == ids.tolist() and b["x"].tolist() == [0, 1, 2]  # type: ignore[union-attr]
+            there.ack(b)
