@@ -133,9 +133,9 @@ class _Core:
                 raise ValueError(f"column {name!r} has {rows} rows, {next(iter(columns))!r} has {n}")
             if values.dtype not in DTYPE_NAMES:
                 raise TypeError(f"column {name!r}: dtype {values.dtype} is not supported")
-            shape = list(values.shape[1:])
-            prepared.append((name, values, lengths, shape, offset))
-            offset = align(offset + values.numel() * values.element_size())
+            nbytes = values.numel() * values.element_size()
+            prepared.append((name, values, lengths, list(values.shape[1:]), offset, nbytes))
+            offset = align(offset + nbytes)
         assert n is not None
         if ids is not None and len(ids) != n:
             raise ValueError(f"put of {n} rows names {len(ids)} ids")
@@ -144,8 +144,7 @@ class _Core:
         seg = self.pool.acquire(max(offset, 1))
         try:
             writes = []
-            for name, values, lengths, shape, off in prepared:
-                nbytes = values.numel() * values.element_size()
+            for name, values, lengths, shape, off, nbytes in prepared:
                 if nbytes >= BIG_COPY:  # torch's copy beats numpy's by a few percent on large buffers
                     dst = torch.frombuffer(seg.mm, dtype=values.dtype, count=values.numel(), offset=off)
                     dst.copy_(values.reshape(-1))

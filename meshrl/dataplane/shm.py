@@ -12,7 +12,6 @@ import contextlib
 import mmap
 import os
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +125,7 @@ class SegmentPool:
 
 
 class MapCache:
-    """Read-side mappings by segment name, bounded by total mapped bytes.
+    """Read-side mappings by segment name, bounded by total mapped bytes (the oldest mapped go first).
 
     Evicting only drops our reference: tensors built on a mapping keep it alive until they are freed.
     """
@@ -134,15 +133,17 @@ class MapCache:
     def __init__(self, directory: str, max_bytes: int = 4 << 30) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
-        self._maps: OrderedDict[str, Segment] = OrderedDict()
+        self._maps: dict[str, Segment] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, name: str, min_size: int) -> Segment:
+        seg = self._maps.get(name)  # the usual case, without the lock (a dict lookup is atomic)
+        if seg is not None and seg.size >= min_size:
+            return seg
         with self._lock:
             seg = self._maps.get(name)
-            if seg is not None and seg.size >= min_size:
-                self._maps.move_to_end(name)
+            if seg is not None and seg.size >= min_size:  # another thread mapped it meanwhile
                 return seg
             if seg is not None:  # cannot happen for names that are never reused; be safe anyway
                 self._drop(name)
