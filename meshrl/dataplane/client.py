@@ -148,8 +148,8 @@ class _Core:
                 if nbytes >= BIG_COPY:  # torch's copy beats numpy's by a few percent on large buffers
                     dst = torch.frombuffer(seg.mm, dtype=values.dtype, count=values.numel(), offset=off)
                     dst.copy_(values.reshape(-1))
-                elif nbytes:  # numpy's costs less per call
-                    seg.u8[off : off + nbytes] = as_numpy(values).reshape(-1).view(np.uint8)
+                elif nbytes:  # a memoryview copy costs less per call
+                    seg.bytes[off : off + nbytes] = as_numpy(values).data.cast("B")
                 writes.append(
                     P.ColumnWrite(
                         name=name,
