@@ -146,6 +146,10 @@ class RpcServer:
         if endpoint.startswith("tcp://") and sys.platform == "linux":
             self.local_endpoint = self._listen(f"ipc://@meshrl-{os.getpid()}-{os.urandom(8).hex()}")
         self.conns: set[Connection] = set()
+        # Connections whose reply could not be sent. A send happens inside a handler, and `on_close`
+        # re-entering the handler's code (a controller serving its parked claims) would corrupt what
+        # that handler is iterating over; so their `on_close` runs at the end of `poll`.
+        self.closed_later: deque[Connection] = deque()
         # every read lands here first: `recv(n)` would allocate (and the kernel map) n bytes per call,
         # which for a large n costs more than handling a small request
         self.scratch = memoryview(bytearray(RECV_BYTES))
@@ -193,6 +197,10 @@ class RpcServer:
                 self._flush(conn)
             if mask & selectors.EVENT_READ and not conn.closed:
                 self._read(conn)
+        while self.closed_later:
+            conn = self.closed_later.popleft()
+            if self.on_close is not None:
+                self.on_close(conn)
 
     def _accept(self, listener: socket.socket) -> None:
         for _ in range(64):
@@ -259,8 +267,9 @@ class RpcServer:
                 sent = conn.sock.send(data)
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            except OSError:
-                self.close(conn)
+            except OSError:  # the peer is gone; tell the owner once this poll's handlers are done
+                self.close(conn, notify=False)
+                self.closed_later.append(conn)
                 return
             if sent == len(data):
                 return
