@@ -145,7 +145,7 @@ class _Core:
         try:
             writes = []
             for name, values, lengths, shape, off, nbytes in prepared:
-                if nbytes >= BIG_COPY:  # torch's copy beats numpy's by a few percent on large buffers
+                if nbytes >= BIG_COPY:  # torch's copy is a few percent faster on buffers that miss the cache
                     dst = torch.frombuffer(seg.mm, dtype=values.dtype, count=values.numel(), offset=off)
                     dst.copy_(values.reshape(-1))
                 elif nbytes:  # a memoryview copy costs less per call
