@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from meshrl.dataplane import protocol as P
 from meshrl.dataplane.batch import Batch
-from meshrl.dataplane.client import DataPlaneError, _Core, raise_for
+from meshrl.dataplane.core import ClientCore, DataPlaneError, raise_for
 from meshrl.dataplane.rpc import AsyncRpcClient
 from meshrl.dataplane.wire import connect_client
 
@@ -31,7 +31,7 @@ class AsyncClient:
         self.endpoint = rpc.endpoint
         self.secret = secret
         self.timeout = timeout
-        self.core = _Core(name)
+        self.core = ClientCore(name)
         self._ctx: zmq.asyncio.Context | None = None
         self._storage_socks: dict[str, Any] = {}
         self._storage_lock = asyncio.Lock()

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from meshrl.dataplane import protocol as P
+from meshrl.dataplane.slots import FreeSlots
 from meshrl.dataplane.table import (
     ACKED,
     CLAIMED,
@@ -26,7 +27,6 @@ from meshrl.dataplane.table import (
     PARTIAL,
     READY,
     Consumer,
-    FreeSlots,
     Partition,
     SegmentInfo,
 )

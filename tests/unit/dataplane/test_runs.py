@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshrl.dataplane.client import _runs
+from meshrl.dataplane.core import runs
 from meshrl.dataplane.protocol import ColumnRead
 
 
@@ -45,11 +45,11 @@ def test_runs_match_a_row_by_row_grouping(layout: list[tuple[int, int, int]], wi
         off = ends.get(seg, 0) + gap * item
         rows.append((seg, off, length))
         ends[seg] = off + length * item
-    assert _runs(column(rows, [width])) == reference(rows, item)
+    assert runs(column(rows, [width])) == reference(rows, item)
 
 
 def test_rows_of_one_write_in_order_are_one_run_and_out_of_order_rows_are_not() -> None:
     rows = [(0, 16 * k, 4) for k in range(32)]  # 4 float32 items per row, back to back
-    assert _runs(column(rows, [])) == [(0, 0, 32 * 16)]
+    assert runs(column(rows, [])) == [(0, 0, 32 * 16)]
     swapped = [rows[1], rows[0], *rows[2:]]
-    assert _runs(column(swapped, [])) == [(0, 16, 16), (0, 0, 16), (0, 32, 30 * 16)]
+    assert runs(column(swapped, [])) == [(0, 16, 16), (0, 0, 16), (0, 32, 30 * 16)]

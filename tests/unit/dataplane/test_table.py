@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 from meshrl.dataplane import protocol as P
-from meshrl.dataplane.table import READY, Partition, RowIndex, TableError
+from meshrl.dataplane.slots import RowIndex
+from meshrl.dataplane.table import READY, Partition, TableError
 
 SEG = P.SegmentRef("meshrl-t-1", "h", 1 << 30)
 
