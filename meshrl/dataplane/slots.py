@@ -55,16 +55,19 @@ class RowIndex:
         return out
 
     def _trim(self, row_id: np.ndarray) -> None:
+        # one pass over every indexed row, then per entry its count of live rows (entries are never empty)
+        live = row_id[np.concatenate(self.slots)] == np.concatenate(self.ids)
+        starts = np.cumsum([0] + [len(i) for i in self.ids[:-1]])
+        counts = np.add.reduceat(live, starts, dtype=np.int64).tolist()
         ids, slots = [], []
-        for i, s in zip(self.ids, self.slots, strict=True):
-            live = row_id[s] == i
-            k = int(np.count_nonzero(live))
+        for i, s, start, k in zip(self.ids, self.slots, starts.tolist(), counts, strict=True):
             if k > len(i) // 2:  # mostly live: keep it whole
                 ids.append(i)
                 slots.append(s)
             elif k:
-                ids.append(i[live])
-                slots.append(s[live])
+                mine = live[start : start + len(i)]
+                ids.append(i[mine])
+                slots.append(s[mine])
         self.ids, self.slots = ids, slots
         self._trim_at = max(64, 2 * len(ids))
         self._firsts = None

@@ -196,10 +196,12 @@ class Partition:
             )
         return c
 
-    def mark_ready(self, c: Consumer, slots: np.ndarray) -> None:
+    def mark_ready(self, c: Consumer, slots: np.ndarray, ids: np.ndarray | None = None) -> None:
+        """Queue rows for `c` (`ids`: their row ids, when the caller has them at hand)."""
         if not len(slots):
             return
-        ids = self.row_id[slots]
+        if ids is None:
+            ids = self.row_id[slots]
         if c.group_size is None:
             c.state[slots] = READY
             c.ready.append(Chunk(ids, slots))
@@ -251,11 +253,16 @@ class Partition:
         # validate every column against the segment before touching any state
         checked = []
         for cw in columns:
-            known = self.columns.get(cw.name)
-            if known is not None and known.dtype == cw.dtype and known.shape == cw.shape:
-                item = known.item  # validated by the column's first write (its raggedness: by `_column`)
+            col = self.columns.get(cw.name)
+            if (
+                col is not None
+                and col.dtype == cw.dtype
+                and col.shape == cw.shape
+                and col.ragged == cw.ragged
+            ):
+                item = col.item  # the usual case: validated by the column's first write
             else:
-                item = item_bytes(cw.dtype, cw.shape)
+                col, item = None, item_bytes(cw.dtype, cw.shape)  # `_column` checks it once the put is valid
             lengths: np.ndarray | int
             if cw.ragged:
                 lengths = int64s(cw.lengths, f"column {cw.name!r} lengths")
@@ -281,7 +288,7 @@ class Partition:
                     f"column {cw.name!r}: {cw.nbytes} bytes at offset {cw.offset} do not match "
                     f"{items} items of {item} bytes in a {seg.size}-byte segment",
                 )
-            checked.append((cw, item, starts, lengths))
+            checked.append((col, cw, item, starts, lengths))
         if ids is not None:
             rows = int64s(ids, "ids").copy()
             if len(rows) != n:
@@ -291,7 +298,9 @@ class Partition:
                 raise TableError("bad_request", "put names a row id twice")
         elif len(self.free) < n:
             raise TableError("full", f"partition {self.name!r} full")  # the controller checks first
-        layouts = [(self._column(cw, item), starts, lengths) for cw, item, starts, lengths in checked]
+        layouts = [
+            (col or self._column(cw, item), starts, lengths) for col, cw, item, starts, lengths in checked
+        ]
         cmask = 0
         for col, _, _ in layouts:
             cmask |= 1 << col.bit
@@ -303,8 +312,6 @@ class Partition:
             self.created[slots] = time.monotonic()
             self.group[slots] = -1
             self.index.add(rows, slots, self.row_id)
-            for c in self.consumers.values():
-                c.state[slots] = NOT_READY
         else:
             old = self.mask[slots]
             if np.count_nonzero(old & cmask):
@@ -326,7 +333,9 @@ class Partition:
             self.mask[slots] = cmask
             for c in self.consumers.values():
                 if cmask & c.need == c.need:
-                    self.mark_ready(c, slots)
+                    self.mark_ready(c, slots, rows)
+                else:
+                    c.state[slots] = NOT_READY
             return rows, n * len(layouts)
         new = old | cmask
         self.mask[slots] = new
