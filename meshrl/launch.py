@@ -236,10 +236,8 @@ class Launcher:
 
     def _write_pids(self) -> None:
         pids = {c.name: c.pid for c in [*self.plane, *self.children]}
-        path = self.run_dir / f"pids-{self.rank}.json"
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_text(json.dumps(pids) + "\n")
-        tmp.replace(path)  # rewritten on each in-place restart: a reader never sees half a file
+        # replaced whole on each in-place restart: a reader never sees half a file
+        ckpt.save_json(self.run_dir / f"pids-{self.rank}.json", pids)
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
