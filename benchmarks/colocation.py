@@ -36,9 +36,9 @@ from tests.conftest import start_plane, stop_plane  # noqa: E402 (a real data pl
 
 def handoff_worker(controller: str, role: str, n: int, out: str) -> None:
     """FALLBACK: hold the token, give it back when preempted, ask again. ON_DEMAND: n timed turns."""
-    from meshrl.colocation import RingMember, RingPlan
     from meshrl.dataplane import Client
-    from meshrl.recipe import Scheduling
+    from meshrl.planning.recipe import Scheduling
+    from meshrl.runtime.colocation import RingMember, RingPlan
 
     plan = RingPlan("bench", ("inference", "trainer"), (Scheduling.FALLBACK, Scheduling.ON_DEMAND),
                     (("inference-0-0",), ("trainer-0-0",)))  # fmt: skip

@@ -51,7 +51,7 @@ def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Pa
     import torch
 
     from meshrl.models.tiny import build_tiny_model
-    from meshrl.sft import SFTConfig, train
+    from meshrl.tasks.arith.sft import SFTConfig, train
 
     torch.set_num_threads(2)
     base = build_tiny_model(root / "base")
@@ -63,7 +63,7 @@ def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Pa
 
 
 def teacher_groups(recipe: str) -> list[str]:
-    from meshrl.recipe import load_recipe
+    from meshrl.planning.recipe import load_recipe
     from meshrl.roles.teacher.config import TeacherConfig
 
     r = load_recipe(REPO / "recipes" / f"{recipe}.py")

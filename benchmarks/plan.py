@@ -11,8 +11,16 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from meshrl.recipe import ColocationRing, Columns, Recipe, RingMember, Scheduling, ServiceConfig, ServiceGroup
-from meshrl.topology import Device, plan
+from meshrl.planning.recipe import (
+    ColocationRing,
+    Columns,
+    Recipe,
+    RingMember,
+    Scheduling,
+    ServiceConfig,
+    ServiceGroup,
+)
+from meshrl.planning.topology import Device, plan
 
 
 @dataclass(frozen=True, kw_only=True)

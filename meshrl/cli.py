@@ -9,6 +9,7 @@ USAGE = """usage: meshrl COMMAND [ARGS]
 commands:
   demo                                       the main job: a tiny model learns arithmetic by GRPO
   run RECIPE [--devices N] [key=value ...]   run a recipe on this host (wraps torchrun)
+  launch RECIPE [key=value ...]              one launcher of a multi-host run (under torchrun -m meshrl)
   sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   queue serve [...]                          run the data plane's controller / storage server
@@ -19,19 +20,24 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     cmd, rest = (args[0], args[1:]) if args else ("", [])
     if cmd == "run":
-        from meshrl.run import main as run
+        from meshrl.runtime.run import main as run
 
         raise SystemExit(run(rest))
+    if cmd == "launch":
+        from meshrl.runtime.launch import main as launch
+
+        launch(rest)
+        return
     if cmd == "demo":
-        from meshrl.demo import main as demo
+        from meshrl.tasks.arith.demo import main as demo
 
         raise SystemExit(demo(rest))
     if cmd == "sft":
-        from meshrl.sft import main as sft
+        from meshrl.tasks.arith.sft import main as sft
 
         raise SystemExit(sft(rest))
     if cmd == "status":
-        from meshrl.status import main as status
+        from meshrl.observe.status import main as status
 
         raise SystemExit(status(rest))
     if cmd == "queue" and rest[:1] == ["serve"]:

@@ -3,7 +3,7 @@
 meshrl run recipes/counter.py
 """
 
-from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.counter import CounterConsumerConfig, CounterProducerConfig
 
 

@@ -6,7 +6,7 @@
 Three services on CPU: inference (1 device slot), trainer (1 device slot), rollout (no device).
 """
 
-from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig

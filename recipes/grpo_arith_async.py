@@ -13,7 +13,7 @@ import dataclasses
 
 from grpo_arith import recipe as sync_recipe
 
-from meshrl.recipe import Recipe
+from meshrl.planning.recipe import Recipe
 
 
 def recipe() -> Recipe:

@@ -13,7 +13,7 @@ import dataclasses
 
 from grpo_arith import recipe as grpo_recipe
 
-from meshrl.recipe import ColocationRing, Recipe, RingMember, Scheduling
+from meshrl.planning.recipe import ColocationRing, Recipe, RingMember, Scheduling
 
 
 def recipe() -> Recipe:

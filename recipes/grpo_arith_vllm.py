@@ -10,7 +10,7 @@ broadcast: NCCL on GPU), reloads it in place and resets the prefix cache.
 
 from grpo_arith import recipe as grpo_recipe
 
-from meshrl.recipe import Recipe
+from meshrl.planning.recipe import Recipe
 
 
 def recipe() -> Recipe:

@@ -22,7 +22,7 @@ import dataclasses
 from grpo_arith import TEMPERATURE
 from grpo_arith import recipe as grpo_recipe
 
-from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.teacher.config import TeacherConfig
 
 TEACHER = "runs/arith-teacher"  # see above; override with teacher.model=PATH (after *.model=...)

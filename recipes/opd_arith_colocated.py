@@ -12,7 +12,7 @@ import dataclasses
 
 from opd_arith import recipe as opd_recipe
 
-from meshrl.recipe import ColocationRing, Recipe, RingMember, Scheduling
+from meshrl.planning.recipe import ColocationRing, Recipe, RingMember, Scheduling
 
 
 def recipe() -> Recipe:

@@ -8,7 +8,7 @@ runs it synchronously and asynchronously and compares with the ideal overlap. PA
 tokenizer (any local model directory).
 """
 
-from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.inference.config import InferenceConfig, SimGeneration
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import SimTraining, TrainerConfig

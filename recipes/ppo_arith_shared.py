@@ -14,7 +14,7 @@ import dataclasses
 from grpo_arith import MODEL, TEMPERATURE
 from grpo_arith import recipe as grpo_recipe
 
-from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.reference.config import ReferenceConfig
 
 

@@ -11,7 +11,7 @@ import dataclasses
 
 from ppo_arith import recipe as ppo_recipe
 
-from meshrl.recipe import Recipe, ServiceGroup
+from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.reward_model.config import RewardModelConfig
 
 REWARD_MODEL = "runs/arith-rm"

@@ -10,7 +10,7 @@ import dataclasses
 
 from grpo_arith import recipe as grpo_recipe
 
-from meshrl.recipe import Recipe
+from meshrl.planning.recipe import Recipe
 
 
 def recipe() -> Recipe:

@@ -91,7 +91,7 @@ def arith_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     """The tiny model after the demo's supervised warm start on arithmetic (imperfect on purpose)."""
     import torch
 
-    from meshrl.sft import SFTConfig, train
+    from meshrl.tasks.arith.sft import SFTConfig, train
 
     out = tmp_path_factory.mktemp("models") / "arith-sft"
     threads = torch.get_num_threads()
@@ -118,7 +118,7 @@ def grpo_100_steps(arith_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 def _sft(base: Path, out: Path, steps: int) -> Path:
     import torch
 
-    from meshrl.sft import SFTConfig, train
+    from meshrl.tasks.arith.sft import SFTConfig, train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -22,7 +22,7 @@ from meshrl.dataplane.controller import Controller
 from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.storage import Storage
-from meshrl.supervise import die_with_parent
+from meshrl.runtime.supervise import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:

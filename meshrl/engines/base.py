@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from meshrl.weights import Member
+    from meshrl.runtime.weights import Member
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -147,7 +147,7 @@ class InferenceEngine(abc.ABC):
 
     def weight_member(self) -> Member | None:
         """Engines whose model lives in worker processes of their own (vLLM) return the member that lets
-        those workers receive each weight version straight from the trainer (`meshrl.weights.Member`);
+        those workers receive each weight version straight from the trainer (`meshrl.runtime.weights.Member`);
         the others return None and get the tensors through `load_weights`."""
         return None
 

@@ -363,7 +363,7 @@ class FSDPEngine:
     def offload(self, path: str) -> int:
         """Parameters and optimizer state out of memory into the file `path` (gradients are None between
         steps). Returns bytes released."""
-        from meshrl.offload import HostStore
+        from meshrl.runtime.offload import HostStore
 
         self.store = HostStore(path)
         named = [(f"param:{n}", _local(p)) for n, p in self.model.named_parameters()]

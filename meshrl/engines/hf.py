@@ -182,7 +182,7 @@ class HFEngine(InferenceEngine):
 
     @torch.no_grad()
     def offload(self, path: str) -> int:
-        from meshrl.offload import HostStore
+        from meshrl.runtime.offload import HostStore
 
         self.store = HostStore(path)
         return self.store.offload(self.model.named_parameters(remove_duplicate=False))

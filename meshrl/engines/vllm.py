@@ -229,7 +229,7 @@ class VLLMEngine(InferenceEngine):
 
 
 class _Member:
-    """The engine's workers as the receiving member of the weight group (`meshrl.weights.Member`)."""
+    """The engine's workers as the receiving member of the weight group (`meshrl.runtime.weights.Member`)."""
 
     def __init__(self, engine: VLLMEngine) -> None:
         self.engine = engine

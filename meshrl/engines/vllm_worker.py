@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.dataplane.shm import Segment
-from meshrl.weights import Header, broadcast_from_trainer, incoming, process_group, reader
+from meshrl.runtime.weights import Header, broadcast_from_trainer, incoming, process_group, reader
 
 
 class WeightReceiver:

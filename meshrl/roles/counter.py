@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.recipe import Columns, ServiceConfig, require
-from meshrl.service import Service
+from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.runtime.service import Service
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
-from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.planning.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
-from meshrl.service import Service
+from meshrl.runtime.service import Service
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 LEASE_S = 300.0  # a replica that hangs gives its claimed rows back after this long (one that dies: at once)
 
@@ -143,7 +143,7 @@ class ScorerService(Service):
             )
 
     def offload(self) -> None:
-        from meshrl.offload import HostStore
+        from meshrl.runtime.offload import HostStore
 
         self.store = HostStore(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin")
         self.store.offload(self.model.named_parameters(remove_duplicate=False))

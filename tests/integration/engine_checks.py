@@ -21,7 +21,7 @@ class WeightLink:
     trainer and inference services hold them."""
 
     def __init__(self, engine, shm_dir, device: str = "cpu") -> None:
-        from meshrl.weights import WeightGroup
+        from meshrl.runtime.weights import WeightGroup
         from tests.conftest import free_base_port
 
         port = free_base_port()

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.models.tiny import build_tiny_model
-from meshrl.sft import SFTConfig, collate, encode_example, evaluate, main, train
 from meshrl.tasks.arith import split
+from meshrl.tasks.arith.sft import SFTConfig, collate, encode_example, evaluate, main, train
 
 STEPS = 100
 

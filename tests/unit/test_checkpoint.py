@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from meshrl import checkpoint as ckpt
+from meshrl.state import checkpoint as ckpt
 
 
 def make(run_dir, step: int, keep: int = 3):

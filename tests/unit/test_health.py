@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from meshrl.service import Health
+from meshrl.runtime.service import Health
 
 
 @pytest.fixture

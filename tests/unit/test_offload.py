@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshrl.offload import HostStore
+from meshrl.runtime.offload import HostStore
 
 
 def test_offload_frees_storages_and_restore_brings_back_the_same_tensors(tmp_path):

@@ -91,8 +91,8 @@ def test_teacher_with_another_vocabulary_fails_at_start_up(tiny_model, tmp_path)
 
     from transformers import AutoTokenizer
 
-    from meshrl.recipe import RecipeError, load_recipe
-    from meshrl.topology import Device, plan
+    from meshrl.planning.recipe import RecipeError, load_recipe
+    from meshrl.planning.topology import Device, plan
 
     other = tmp_path / "other"
     shutil.copytree(tiny_model, other)

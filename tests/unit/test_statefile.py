@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshrl.statefile import HEADER, StateFile
+from meshrl.state.statefile import HEADER, StateFile
 
 
 def test_round_trip_and_a_successor_goes_on_from_the_latest(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.recipe import (
+from meshrl.planning.recipe import (
     ColocationRing,
     Columns,
     Recipe,
@@ -22,7 +22,7 @@ from meshrl.recipe import (
     ServiceGroup,
     load_recipe,
 )
-from meshrl.topology import Device, devices_needed, plan
+from meshrl.planning.topology import Device, devices_needed, plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -311,7 +311,7 @@ def test_values_come_from_exactly_one_critic(path, overrides, message, tiny_mode
 
 
 def test_hybrid_ring_members_share_one_process_per_device():
-    from meshrl.topology import cohosts
+    from meshrl.planning.topology import cohosts
 
     groups = (
         ServiceGroup(id="rollout", config=Writer()),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshrl.dataplane.batch import DTYPE_NAMES
-from meshrl.weights import _buckets, _nbytes, _pack, _unpack
+from meshrl.runtime.weights import _buckets, _nbytes, _pack, _unpack
 
 
 def test_mixed_dtypes_and_shapes_round_trip_bit_exact_through_every_bucket() -> None:

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrl.checkpoint import CHECKPOINT_ACKS
-from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.planning.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
+from meshrl.state.checkpoint import CHECKPOINT_ACKS
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 VALUES_CONSUMER = "critic-values"
 TRAIN_CONSUMER = "critic"

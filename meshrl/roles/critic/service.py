@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from meshrl import checkpoint as ckpt
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
@@ -42,8 +41,9 @@ from meshrl.engines.packing import pack
 from meshrl.roles import SAMPLES
 from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
 from meshrl.roles.scorer import put_missing_async
-from meshrl.service import WATCH_S, Service
-from meshrl.statefile import StateFile
+from meshrl.runtime.service import WATCH_S, Service
+from meshrl.state import checkpoint as ckpt
+from meshrl.state.statefile import StateFile
 
 LEASE_S = 600.0
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.planning.recipe import Columns, ServiceConfig, require
 from meshrl.roles import EVAL, SAMPLES
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
 ENGINES = ("hf", "vllm", "sglang", "sim")

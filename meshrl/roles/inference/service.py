@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
-from meshrl import hybrid
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles import EVAL, SAMPLES
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.roles.trainer.config import TrainerConfig
-from meshrl.service import WATCH_S, Service
-from meshrl.weights import GroupBroken, WeightGroup, one_thread
+from meshrl.runtime import hybrid
+from meshrl.runtime.service import WATCH_S, Service
+from meshrl.runtime.weights import GroupBroken, WeightGroup, one_thread
 
 LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
 

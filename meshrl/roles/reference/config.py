@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshrl.recipe import Columns
+from meshrl.planning.recipe import Columns
 from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshrl.checkpoint import CHECKPOINT_ACKS
-from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.planning.recipe import Columns, ServiceConfig, require
 from meshrl.roles import EVAL, GATE, SAMPLES
+from meshrl.state.checkpoint import CHECKPOINT_ACKS
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}

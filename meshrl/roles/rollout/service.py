@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from meshrl import checkpoint as ckpt
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms import filters
 from meshrl.algorithms.losses import AdaptiveKL, kl
@@ -46,8 +45,9 @@ from meshrl.roles import EVAL, GATE, SAMPLES
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import RewardFn, load_rows, rule_rewards
 from meshrl.roles.scorer import put_missing_async
-from meshrl.service import WATCH_S, Service
-from meshrl.statefile import StateFile
+from meshrl.runtime.service import WATCH_S, Service
+from meshrl.state import checkpoint as ckpt
+from meshrl.state.statefile import StateFile
 
 
 class RolloutService(Service):
@@ -187,7 +187,7 @@ class RolloutService(Service):
     # re-joining
 
     def persist(self) -> None:
-        """Write the state, ahead of the data-plane effect about to happen (see meshrl/statefile.py)."""
+        """Write the state, ahead of the data-plane effect about to happen (see meshrl/state/statefile.py)."""
         state = {k: getattr(self, k) for k in self.STATE if k != "order"}
         state.update(
             kl_coef=self.kl.coef,

@@ -6,12 +6,12 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshrl.recipe import Columns, require
+from meshrl.planning.recipe import Columns, require
 from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 
 def teacher_columns(prefix: str) -> tuple[str, str, str]:

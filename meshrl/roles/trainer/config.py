@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrl.checkpoint import CHECKPOINT
-from meshrl.recipe import Columns, ServiceConfig, require
+from meshrl.planning.recipe import Columns, ServiceConfig, require
 from meshrl.roles import GATE, SAMPLES
+from meshrl.state.checkpoint import CHECKPOINT
 
 if TYPE_CHECKING:
-    from meshrl.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import Recipe, ServiceGroup
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 SCHEDULES = ("constant", "linear", "cosine")

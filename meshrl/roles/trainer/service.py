@@ -24,8 +24,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshrl import checkpoint as ckpt
-from meshrl import hybrid
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.filters import groups_with_signal
@@ -37,8 +35,10 @@ from meshrl.roles import GATE
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
-from meshrl.service import Service
-from meshrl.weights import WeightGroup
+from meshrl.runtime import hybrid
+from meshrl.runtime.service import Service
+from meshrl.runtime.weights import WeightGroup
+from meshrl.state import checkpoint as ckpt
 
 
 class TrainerService(Service):
@@ -356,7 +356,7 @@ class TrainerService(Service):
         self.weights.send(version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20)
 
     # ---------------------------------------------------------------------------------------------------
-    # checkpoints (the protocol is described in meshrl/checkpoint.py)
+    # checkpoints (the protocol is described in meshrl/state/checkpoint.py)
 
     def checkpoint(self, step: int) -> None:
         """Steps 0..step-1 are done and version `step` is published: save the whole run. A failure

@@ -17,9 +17,9 @@ import random
 import sys
 import time
 
-from meshrl.colocation import RingMember, RingPlan
 from meshrl.dataplane import Client
-from meshrl.recipe import Scheduling
+from meshrl.planning.recipe import Scheduling
+from meshrl.runtime.colocation import RingMember, RingPlan
 
 
 def main() -> None:

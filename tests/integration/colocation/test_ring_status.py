@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from meshrl.colocation import RingMember, RingPlan
 from meshrl.dataplane import Client
-from meshrl.recipe import Scheduling
-from meshrl.status import collect, render
+from meshrl.observe.status import collect, render
+from meshrl.planning.recipe import Scheduling
+from meshrl.runtime.colocation import RingMember, RingPlan
 
 MEMBERS = [("inference", "FALLBACK"), ("teacher", "ON_DEMAND"), ("trainer", "ON_DEMAND")]
 

@@ -10,15 +10,15 @@ import time
 
 import torch
 
-from meshrl import checkpoint as ckpt
 from meshrl.dataplane import Client
+from meshrl.state import checkpoint as ckpt
 from tests.conftest import REPO
 
 # One stateful service's side of the protocol; with DIE=1 it is SIGKILLed right after saving its state,
 # before its answer.
 PART = """
 import asyncio, os, signal, sys
-from meshrl import checkpoint as ckpt
+from meshrl.state import checkpoint as ckpt
 from meshrl.dataplane import AsyncClient
 
 async def main(controller, name, die):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrl import checkpoint as ckpt
+from meshrl.state import checkpoint as ckpt
 from tests.integration.grpo.test_grpo import rows, run
 
 

@@ -148,8 +148,8 @@ def test_a_killed_reference_restarts_alone_and_the_run_goes_on(tmp_path, arith_m
 def test_a_port_in_use_names_the_service_and_the_port(tmp_path, arith_model):
     import socket
 
-    from meshrl.recipe import load_recipe
-    from meshrl.topology import HEALTH, Device, devices_needed, plan
+    from meshrl.planning.recipe import load_recipe
+    from meshrl.planning.topology import HEALTH, Device, devices_needed, plan
 
     base = free_base_port()
     recipe = load_recipe(RECIPE, [f"*.model={arith_model}", f"base_port={base}"])

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrl.weights import WeightGroup
+from meshrl.runtime.weights import WeightGroup
 from tests.conftest import free_base_port
 
 REPO = Path(__file__).resolve().parents[3]
@@ -30,7 +30,7 @@ MANIFEST = [("a", (1000,), "float32"), ("b", (3, 7), "int64")]
 RECEIVER = """
 import json, sys
 import torch
-from meshrl.weights import GroupBroken, WeightGroup
+from meshrl.runtime.weights import GroupBroken, WeightGroup
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 group = WeightGroup("127.0.0.1", port, rank, 3, timeout_s=60)
 print(json.dumps({"joined": group.epoch}), flush=True)

@@ -15,7 +15,7 @@ from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import pack
 from meshrl.roles.trainer.config import TrainerConfig
-from meshrl.weights import WeightGroup
+from meshrl.runtime.weights import WeightGroup
 
 SEQUENCE = [7, 41, 8, 45, 11, 1]  # "3+4=7<eos>" in the tiny tokenizer
 PROMPT_LEN = 4

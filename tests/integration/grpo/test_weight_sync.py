@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from meshrl.engines.hf import HFEngine
-from meshrl.weights import WeightGroup
+from meshrl.runtime.weights import WeightGroup
 from tests.conftest import free_base_port
 from tests.integration.grpo.sync_trainer import PROMPT_LEN, SEQUENCE
 

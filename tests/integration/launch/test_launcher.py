@@ -1,4 +1,4 @@
-"""`meshrl run` and `python -m meshrl.launch` with real processes on CPU."""
+"""`meshrl run` and `torchrun ... -m meshrl launch` with real processes on CPU."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_two_torchrun_nodes_form_one_run(tmp_path):
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={rdzv}",
-               "-m", "meshrl.launch", COUNTER, f"run_dir={run_dir}", f"base_port={base}"]  # fmt: skip
+               "-m", "meshrl", "launch", COUNTER, f"run_dir={run_dir}", f"base_port={base}"]  # fmt: skip
         procs.append(
             subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(2)
     from meshrl.models.tiny import build_tiny_model
-    from meshrl.sft import SFTConfig, train
+    from meshrl.tasks.arith.sft import SFTConfig, train
 
     if not (base / "config.json").exists():
         print(f"[demo] building a tiny model in {base}", flush=True)

@@ -1,4 +1,4 @@
-"""Entry point of one service process: `python -m meshrl.worker GROUP REPLICA WORKER [...]`.
+"""Entry point of one service process: `python -m meshrl.runtime.worker GROUP REPLICA WORKER [...]`.
 
 Its launcher passes the recipe, overrides and gathered device list in the environment; the process
 rebuilds the same plan, finds itself in it, and runs its service. Stdout/stderr go to the process's
@@ -19,16 +19,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshrl.recipe import load_recipe, service_class
-from meshrl.supervise import die_with_parent
-from meshrl.topology import Device, plan
+from meshrl.planning.recipe import load_recipe, service_class
+from meshrl.planning.topology import Device, plan
+from meshrl.runtime.supervise import die_with_parent
 
 
 def main() -> None:
     die_with_parent()
     args = sys.argv[1:]
     if not args or len(args) % 3:
-        raise SystemExit("usage: python -m meshrl.worker GROUP REPLICA WORKER [GROUP REPLICA WORKER ...]")
+        raise SystemExit(
+            "usage: python -m meshrl.runtime.worker GROUP REPLICA WORKER [GROUP REPLICA WORKER ...]"
+        )
     triples = [(args[i], int(args[i + 1]), int(args[i + 2])) for i in range(0, len(args), 3)]
     group, replica_index, worker = triples[0]
     logging.basicConfig(
@@ -41,9 +43,9 @@ def main() -> None:
     topology = plan(recipe, devices)
 
     # heavy imports (torch, transformers) only from here on
-    from meshrl import hybrid
     from meshrl.roles.trainer.config import TrainerConfig
-    from meshrl.service import Health, ServiceContext
+    from meshrl.runtime import hybrid
+    from meshrl.runtime.service import Health, ServiceContext
 
     services, servers = [], []
     for g, r, w in triples:  # more than one: a hybrid ring's members on this device, one thread each
@@ -70,7 +72,7 @@ def main() -> None:
         for service in sorted(services, key=lambda s: not isinstance(s.ctx.config, TrainerConfig)):
             service.setup()
             service.join_ring()
-        logging.getLogger("meshrl.worker").info("ready after %.1fs", time.monotonic() - t0)
+        logging.getLogger("meshrl.runtime.worker").info("ready after %.1fs", time.monotonic() - t0)
         # what setup built (models, datasets, tokenizers) lives for the whole run: keep it out of the
         # garbage collector's full passes, which otherwise stall a service for 100+ ms now and then
         gc.collect()
@@ -110,7 +112,7 @@ def run_threads(services: list[Any]) -> None:
         try:
             service.run()
         except BaseException as e:
-            logging.getLogger("meshrl.worker").exception("%s failed", service.ctx.name)
+            logging.getLogger("meshrl.runtime.worker").exception("%s failed", service.ctx.name)
             errors.append(e)
             done.set()
 

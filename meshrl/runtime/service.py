@@ -1,6 +1,6 @@
 """What every service is: set-up, a run loop over the data plane, a health report.
 
-A service process is started by its launcher as `python -m meshrl.worker`, which rebuilds the plan,
+A service process is started by its launcher as `python -m meshrl.runtime.worker`, which rebuilds the plan,
 builds the service from its config and drives `setup()`, `run()`, `close()`. Services never call each
 other: they read and write partitions of the data plane. The run ends when a service (normally the
 trainer) writes a `finished` row into the `control` partition; every service watches for it.
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Client
-from meshrl.recipe import Recipe, ServiceConfig
-from meshrl.topology import HEALTH, Process, Replica, Topology
+from meshrl.planning.recipe import Recipe, ServiceConfig
+from meshrl.planning.topology import HEALTH, Process, Replica, Topology
 
 if TYPE_CHECKING:
-    from meshrl.colocation import RingMember
+    from meshrl.runtime.colocation import RingMember
 
 CONTROL = "control"
 FINISHED = 1  # control event: training is over, every service exits
@@ -144,7 +144,7 @@ class Service:
             self._control.close()
 
     # ---------------------------------------------------------------------------------------------------
-    # colocation (meshrl/colocation.py)
+    # colocation (meshrl/runtime/colocation.py)
 
     def offload(self) -> None:
         """Release device (on CPU: resident) memory; called when this service leaves its device turn."""
@@ -155,7 +155,7 @@ class Service:
     def join_ring(self) -> None:
         """After setup: if this service's group is in a colocation ring, take part in it, starting with
         memory offloaded (the devices are the ring's, not this service's)."""
-        from meshrl.colocation import RingMember, RingPlan
+        from meshrl.runtime.colocation import RingMember, RingPlan
 
         ring = next(
             (r for r in self.ctx.recipe.rings if self.ctx.replica.group in {m.group for m in r.members}), None

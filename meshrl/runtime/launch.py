@@ -1,6 +1,6 @@
 """The SPMD launcher: one per device, started by torchrun (`meshrl run` wraps it on one host).
 
-    torchrun --nnodes 4 --nproc-per-node 8 ... -m meshrl.launch recipes/grpo_math.py [key=value ...]
+    torchrun --nnodes 4 --nproc-per-node 8 ... -m meshrl launch recipes/grpo_math.py [key=value ...]
 
 Each launcher gathers the device list over gloo, computes the same plan as every other launcher, starts
 the data plane (controller on rank 0, a storage server per host) and then only its own service
@@ -27,12 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrl import checkpoint as ckpt
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
-from meshrl.recipe import Recipe, RecipeError, load_recipe, to_jsonable
-from meshrl.service import CONTROL, FAILED
-from meshrl.supervise import Child, wait_ready
-from meshrl.topology import HEALTH, Device, Topology, cohosts, plan
+from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
+from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
+from meshrl.runtime.service import CONTROL, FAILED
+from meshrl.runtime.supervise import Child, wait_ready
+from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
 
@@ -225,7 +225,7 @@ class Launcher:
             args = [str(x) for q in hosts[p.name] for x in (q.group, q.replica, q.worker)]
             child = Child(
                 p.name,
-                [sys.executable, "-m", "meshrl.worker", *args],
+                [sys.executable, "-m", "meshrl.runtime.worker", *args],
                 self.logs / f"{p.name}.log",
                 env,
                 health_port=p.ports[HEALTH],
@@ -391,7 +391,7 @@ def _indent(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0].startswith("-"):
-        print("usage: python -m meshrl.launch RECIPE.py [key=value ...]", file=sys.stderr)
+        print("usage: torchrun ... -m meshrl launch RECIPE.py [key=value ...]", file=sys.stderr)
         raise SystemExit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     launcher = Launcher(args[0], args[1:])

@@ -159,7 +159,7 @@ async def take_part(
     if given, is awaited first (unpaused): a service that trails the trainer catches up to the step."""
     import torch
 
-    from meshrl.service import WATCH_S
+    from meshrl.runtime.service import WATCH_S
 
     while True:
         batch = await client.claim(CHECKPOINT, name, ["step"], 16, timeout=WATCH_S)

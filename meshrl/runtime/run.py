@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from meshrl import checkpoint as ckpt
-from meshrl.recipe import RecipeError, load_recipe
-from meshrl.topology import Device, devices_needed, plan
+from meshrl.planning.recipe import RecipeError, load_recipe
+from meshrl.planning.topology import Device, devices_needed, plan
+from meshrl.state import checkpoint as ckpt
 
 
 def main(argv: list[str]) -> int:
@@ -88,7 +88,7 @@ def _launch(args: argparse.Namespace, n: int, t0: float, resume: Path | None) ->
         f"--nproc-per-node={n}",
         "--max-restarts=0",
         "-m",
-        "meshrl.launch",
+        "meshrl.runtime.launch",
         args.recipe,
         *args.overrides,
     ]

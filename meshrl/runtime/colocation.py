@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 import torch
 
 from meshrl.dataplane import Client
-from meshrl.recipe import ColocationRing, Scheduling
-from meshrl.topology import Topology
+from meshrl.planning.recipe import ColocationRing, Scheduling
+from meshrl.planning.topology import Topology
 
-log = logging.getLogger("meshrl.colocation")
+log = logging.getLogger("meshrl.runtime.colocation")
 
 CAPACITY = 4096
 WATCH_S = 30.0

@@ -45,7 +45,7 @@ class ServiceConfig:
 
     service: ClassVar[str] = ""  # "package.module:Class" of the Service subclass
     stateful: ClassVar[bool] = False
-    """Takes part in checkpoints (saves its own state when the trainer asks; see meshrl/checkpoint.py)."""
+    """Takes part in checkpoints (saves its own state when the trainer asks; see meshrl/state/checkpoint.py)."""
     rejoins: ClassVar[bool] = False
     """A replica restarted on its own re-joins the running run: it keeps no state of the run (a frozen
     scorer; inference, which gets the current weights when it re-joins the weight group), or takes
@@ -149,7 +149,7 @@ class Recipe:
     """Every port of the run follows from this and each process's device (see topology.py)."""
     dataplane: DataPlaneConfig = DataPlaneConfig()
     checkpoint_every: int = 0
-    """Checkpoint the whole run every this many steps (0: never); see meshrl/checkpoint.py."""
+    """Checkpoint the whole run every this many steps (0: never); see meshrl/state/checkpoint.py."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept (older ones are deleted once a newer one is complete)."""
 

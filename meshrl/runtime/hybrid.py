@@ -1,6 +1,6 @@
 """Services that share one OS process (the members of a hybrid colocation ring on one device) find each
 other here: the trainer hands its live model to inference, and publishes a new version to it by
-setting the version (no copy). Filled by `meshrl.worker` before any service's setup."""
+setting the version (no copy). Filled by `meshrl.runtime.worker` before any service's setup."""
 
 from __future__ import annotations
 

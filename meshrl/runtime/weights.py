@@ -44,7 +44,7 @@ import torch.distributed as dist
 from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
 from meshrl.dataplane.shm import Segment
 
-log = logging.getLogger("meshrl.weights")
+log = logging.getLogger("meshrl.runtime.weights")
 Manifest = list[tuple[str, tuple[int, ...], str]]
 Header = dict[str, Any]  # an announcement: version, epoch, tensors, buckets
 ALIGN = 8  # byte alignment of each run of one dtype in a bucket

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from meshrl.recipe import Recipe, RecipeError, Scheduling, ServiceConfig
+from meshrl.planning.recipe import Recipe, RecipeError, Scheduling, ServiceConfig
 from meshrl.roles.inference.config import InferenceConfig
 
 SLOTS = 128  # processes a launcher may start

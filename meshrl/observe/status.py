@@ -3,7 +3,7 @@ weight version.
 
 Reads the run directory (topology, data-plane endpoint, secret) and asks each service's loopback health
 endpoint and the controller. Without RUN_DIR, the most recently started run under ./runs is shown.
-A colocation ring's state is read from its partition (`meshrl.colocation`: requests are rows, grants
+A colocation ring's state is read from its partition (`meshrl.runtime.colocation`: requests are rows, grants
 and preemptions columns) by claiming its rows under consumer names of its own and giving them back.
 """
 
@@ -90,7 +90,7 @@ def ring_state(client: Client, ring: dict[str, Any], partitions: list[dict[str, 
     A request row without a RELEASE row naming it is live: granted, it is the holder's; not granted
     yet, its member is asking. Grants carry the turn number; the arbiter keeps the last turn's rows
     until the next grant, so the highest number seen is the count of turns granted."""
-    from meshrl.colocation import CAPACITY, RELEASE
+    from meshrl.runtime.colocation import CAPACITY, RELEASE
 
     groups = [m["group"] for m in ring["members"]]
     fallback = next((m["group"] for m in ring["members"] if m["mode"] == "FALLBACK"), None)
