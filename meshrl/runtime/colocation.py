@@ -34,7 +34,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,11 +51,6 @@ CAPACITY = 4096
 WATCH_S = 30.0
 
 
-def ring_partition(ring_id: str) -> str:
-    """The ring's partition in this launch (a resumed run restores the data plane, not the rings)."""
-    return f"ring.{ring_id}.{os.environ.get('MESHRL_LAUNCH', '0')}"
-
-
 @dataclass(frozen=True)
 class RingPlan:
     """What every process of a ring knows about it, derived from the recipe and topology alone."""
@@ -66,14 +60,20 @@ class RingPlan:
     modes: tuple[Scheduling, ...]
     processes: tuple[tuple[str, ...], ...]  # per member, its process names
     hybrid: bool = False  # members share one process per device: turns without offload
+    launch: str = "0"  # the launch it belongs to (a resumed run restores the data plane, not the rings)
 
     @classmethod
-    def of(cls, ring: ColocationRing, topology: Topology) -> RingPlan:
+    def of(cls, ring: ColocationRing, topology: Topology, launch: str) -> RingPlan:
         procs = tuple(
             tuple(p.name for r in topology.replicas_of(m.group) for p in r.processes) for m in ring.members
         )
         groups, modes = tuple(m.group for m in ring.members), tuple(m.mode for m in ring.members)
-        return cls(ring.id, groups, modes, procs, ring.hybrid)
+        return cls(ring.id, groups, modes, procs, ring.hybrid, launch)
+
+    @property
+    def partition(self) -> str:
+        """The ring's partition in this launch."""
+        return f"ring.{self.id}.{self.launch}"
 
     @property
     def arbiter(self) -> str:
@@ -106,7 +106,7 @@ class Arbiter:
 
     def __init__(self, plan: RingPlan, client: Client) -> None:
         self.plan = plan
-        self.part = ring_partition(plan.id)
+        self.part = plan.partition
         self.client = client
         self.client.create_partition(self.part, CAPACITY)
         self.pending: list[list[tuple[int, str]]] = [[] for _ in plan.members]  # FIFO per member
@@ -234,7 +234,7 @@ class RingMember:
         self.member = next(i for i, procs in enumerate(plan.processes) if process in procs)
         self.index = plan.processes[self.member].index(process)
         self.fallback = plan.modes[self.member] is Scheduling.FALLBACK
-        self.part = ring_partition(plan.id)
+        self.part = plan.partition
         self.offload, self.restore = offload, restore
         self.arbiter = Arbiter(plan, connect(f"{process}-arbiter")) if plan.arbiter == process else None
         self.client = connect(f"{process}-ring")

@@ -45,6 +45,13 @@ class ServiceContext:
     controller: str
     secret: str | None
     health: Health
+    launch: str = "0"
+    """This launch's id: state that must not outlive a launch (colocation rings, re-join files) is named
+    by it."""
+    resume: Path | None = None
+    """The checkpoint this launch resumes from (None: a fresh start)."""
+    addresses: dict[str, str] = field(default_factory=dict)
+    """Host id -> the address other hosts reach it at (runs over several hosts)."""
 
     @property
     def config(self) -> ServiceConfig:
@@ -64,7 +71,7 @@ class ServiceContext:
         """Where other processes reach `host` (loopback when the whole run is on one host)."""
         if self.topology.single_host:
             return "127.0.0.1"
-        return str(json.loads(os.environ.get("MESHRL_ADDRESSES", "{}")).get(host, host))
+        return self.addresses.get(host, host)
 
     def client(self, name: str | None = None) -> Client:
         return Client(self.controller, secret=self.secret, name=name or self.name)
@@ -163,7 +170,7 @@ class Service:
         if ring is None:
             return
         self.ring = RingMember(
-            RingPlan.of(ring, self.ctx.topology), self.ctx.name, self.ctx.client,
+            RingPlan.of(ring, self.ctx.topology, self.ctx.launch), self.ctx.name, self.ctx.client,
             offload=self._offload, restore=self._restore,
         )  # fmt: skip
         self._offload()

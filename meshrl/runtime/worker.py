@@ -62,6 +62,9 @@ def main() -> None:
             controller=os.environ["MESHRL_CONTROLLER"],
             secret=os.environ.get("MESHRL_SECRET") or None,
             health=health,
+            launch=os.environ.get("MESHRL_LAUNCH", "0"),
+            resume=Path(os.environ["MESHRL_RESUME"]) if os.environ.get("MESHRL_RESUME") else None,
+            addresses=json.loads(os.environ.get("MESHRL_ADDRESSES", "{}")),
         )
         services.append(service_class(ctx.config)(ctx))
     hybrid.register(services)

@@ -12,7 +12,7 @@ reference, reward model) keep running; work they do during the snapshot is eithe
 
 Resume (`meshrl run ... --resume`, or automatically after a failure under a restart policy): the
 controller restores the snapshot (claims in flight become ready again), and every service loads its
-state from the checkpoint named in MESHRL_RESUME.
+state from that checkpoint (`ServiceContext.resume`).
 """
 
 from __future__ import annotations
@@ -69,12 +69,6 @@ def commit(tmp: Path, step: int, keep: int) -> Path:
     for old in done[: max(0, len(done) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def resume_dir() -> Path | None:
-    """The checkpoint this process resumes from (set by the launcher), or None for a fresh start."""
-    path = os.environ.get("MESHRL_RESUME")
-    return Path(path) if path else None
 
 
 def save_json(path: Path, obj: Any) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -74,15 +73,14 @@ class CriticService(Service):
         self.training: list[int] = []
         self.replay_values: set[int] = set()
         self.replay_train: set[int] = set()
-        launch = os.environ.get("MESHRL_LAUNCH", "0")
-        self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}")
+        self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{self.ctx.launch}")
         predecessor = self.state.read()
         if predecessor is not None:
             self.rejoin(predecessor)
             return
         for old in (self.ctx.run_dir / "rejoin").glob(f"{self.ctx.name}.*.json"):  # earlier launches'
             old.unlink()
-        resume = ckpt.resume_dir()
+        resume = self.ctx.resume
         if resume is not None:
             self.load_state(resume)
         else:

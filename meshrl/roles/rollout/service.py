@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -92,9 +91,8 @@ class RolloutService(Service):
         self.handling_eval: set[int] = set()
         self.replay: set[int] = set()  # groups a predecessor counted: finish them, do not count them
         self.replay_eval: set[int] = set()  # evaluation row ids likewise
-        launch = os.environ.get("MESHRL_LAUNCH", "0")
-        self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{launch}")
-        resume = ckpt.resume_dir()
+        self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{self.ctx.launch}")
+        resume = self.ctx.resume
         predecessor = self.state.read()
         if predecessor is not None:
             self.rejoin(predecessor)

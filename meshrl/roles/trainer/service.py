@@ -113,7 +113,7 @@ class TrainerService(Service):
         self.nan_streak = 0
         self.kl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.metrics_file = self.ctx.run_dir / "metrics.jsonl"
-        resume = ckpt.resume_dir()
+        resume = self.ctx.resume
         if resume is not None:
             self.resume(resume)
         elif self.rank == 0:
