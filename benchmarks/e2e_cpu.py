@@ -112,7 +112,7 @@ def run(
     if args.window != "1":
         overrides.append(f"rollout.window={args.window}")
     if args.prompts:
-        overrides.append(f"*.prompts_per_step={args.prompts}")
+        overrides.append(f"prompts_per_step={args.prompts}")
     overrides += args.set
     cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / "recipes" / f"{args.recipe}.py"), *overrides]
     t0 = time.time()

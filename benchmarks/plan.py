@@ -11,15 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from meshrl.planning.recipe import (
-    ColocationRing,
-    Columns,
-    Recipe,
-    RingMember,
-    Scheduling,
-    ServiceConfig,
-    ServiceGroup,
-)
+from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.planning.recipe import ColocationRing, Recipe, RingMember, Scheduling, ServiceGroup
 from meshrl.planning.topology import Device, plan
 
 

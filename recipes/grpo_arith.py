@@ -12,7 +12,6 @@ from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 
 MODEL = "runs/arith-sft"  # made by `make run` (meshrl demo); override with *.model=PATH
-PROMPTS, GROUP, TEMPERATURE = 16, 8, 1.0
 
 
 def recipe() -> Recipe:
@@ -20,6 +19,9 @@ def recipe() -> Recipe:
         name="grpo_arith",
         total_steps=100,
         seed=0,
+        prompts_per_step=16,
+        group_size=8,
+        temperature=1.0,
         groups=(
             ServiceGroup(
                 id="rollout",
@@ -27,8 +29,6 @@ def recipe() -> Recipe:
                     model=MODEL,
                     dataset="arith",
                     reward="meshrl.tasks.arith:reward",
-                    prompts_per_step=PROMPTS,
-                    group_size=GROUP,
                     window=1,
                     eval_every=25,
                     eval_samples=4,
@@ -36,16 +36,13 @@ def recipe() -> Recipe:
             ),
             ServiceGroup(
                 id="inference",
-                config=InferenceConfig(model=MODEL, temperature=TEMPERATURE, max_new_tokens=4, threads=2),
+                config=InferenceConfig(model=MODEL, max_new_tokens=4, threads=2),
                 devices_per_replica=1,
             ),
             ServiceGroup(
                 id="trainer",
                 config=TrainerConfig(
                     model=MODEL,
-                    prompts_per_step=PROMPTS,
-                    group_size=GROUP,
-                    temperature=TEMPERATURE,
                     lr=3e-4,
                     warmup_steps=5,
                     mini_batches=4,

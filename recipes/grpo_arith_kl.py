@@ -9,7 +9,7 @@ Nothing else changes: no other service knows the reference is there.
 
 import dataclasses
 
-from grpo_arith import MODEL, TEMPERATURE
+from grpo_arith import MODEL
 from grpo_arith import recipe as grpo_recipe
 
 from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -20,7 +20,7 @@ def recipe() -> Recipe:
     base = grpo_recipe().with_overrides(["trainer.kl_coef=0.05", "trainer.kl_estimator=k3"])
     reference = ServiceGroup(
         id="reference",
-        config=ReferenceConfig(model=MODEL, temperature=TEMPERATURE, threads=1),
+        config=ReferenceConfig(model=MODEL, threads=1),
         devices_per_replica=1,
     )
     return dataclasses.replace(base, name="grpo_arith_kl", groups=(*base.groups, reference))

@@ -19,7 +19,6 @@ token as a dense per-token advantage).
 
 import dataclasses
 
-from grpo_arith import TEMPERATURE
 from grpo_arith import recipe as grpo_recipe
 
 from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -32,7 +31,7 @@ def recipe() -> Recipe:
     base = grpo_recipe().with_overrides(["trainer.distill_coef=1.0"])
     teacher = ServiceGroup(
         id="teacher",
-        config=TeacherConfig(model=TEACHER, temperature=TEMPERATURE, top_k=8, threads=1),
+        config=TeacherConfig(model=TEACHER, top_k=8, threads=1),
         devices_per_replica=1,
     )
     return dataclasses.replace(base, name="opd_arith", groups=(*base.groups, teacher))

@@ -14,17 +14,19 @@ from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import SimTraining, TrainerConfig
 
 MODEL = "runs/arith-sft"
-PROMPTS, GROUP = 16, 8
+GROUP = 8
 
 
 def recipe() -> Recipe:
     return Recipe(
         name="pipeline_sim",
         total_steps=20,
+        prompts_per_step=16,
+        group_size=GROUP,
         groups=(
             ServiceGroup(
                 id="rollout",
-                config=RolloutConfig(model=MODEL, prompts_per_step=PROMPTS, group_size=GROUP, window=1),
+                config=RolloutConfig(model=MODEL, window=1),
             ),
             ServiceGroup(
                 id="inference",
@@ -43,8 +45,6 @@ def recipe() -> Recipe:
                     model=MODEL,
                     engine="sim",
                     sim=SimTraining(token_s=25e-6),
-                    prompts_per_step=PROMPTS,
-                    group_size=GROUP,
                     save_final=False,
                 ),
                 devices_per_replica=1,

@@ -11,7 +11,7 @@ Every service only adds columns to the same rows.
 
 import dataclasses
 
-from grpo_arith import GROUP, MODEL, PROMPTS, TEMPERATURE
+from grpo_arith import MODEL
 from grpo_arith import recipe as grpo_recipe
 
 from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -25,10 +25,10 @@ def recipe() -> Recipe:
          "trainer.kl_metric=true"]
     )  # fmt: skip
     critic = CriticConfig(
-        model=MODEL, prompts_per_step=PROMPTS, group_size=GROUP, lr=1e-4, warmup_steps=5, mini_batches=4,
+        model=MODEL, lr=1e-4, warmup_steps=5, mini_batches=4,
         micro_batch=32, threads=1,
     )  # fmt: skip
-    reference = ReferenceConfig(model=MODEL, temperature=TEMPERATURE, threads=1)
+    reference = ReferenceConfig(model=MODEL, threads=1)
     return dataclasses.replace(
         base,
         name="ppo_arith",

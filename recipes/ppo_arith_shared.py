@@ -11,7 +11,7 @@ policy and value head in one backward (value_coef x the clipped value loss). One
 
 import dataclasses
 
-from grpo_arith import MODEL, TEMPERATURE
+from grpo_arith import MODEL
 from grpo_arith import recipe as grpo_recipe
 
 from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -24,7 +24,7 @@ def recipe() -> Recipe:
          "rollout.kl_in_reward=0.01", "trainer.kl_metric=true", "trainer.value_head=true",
          "trainer.value_coef=0.5"]
     )  # fmt: skip
-    reference = ReferenceConfig(model=MODEL, temperature=TEMPERATURE, threads=1)
+    reference = ReferenceConfig(model=MODEL, threads=1)
     return dataclasses.replace(
         base,
         name="ppo_arith_shared",

@@ -57,12 +57,14 @@ class FSDPEngine:
         loader_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
         head: str = "lm",
+        temperature: float = 1.0,
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
         `model_path` is a causal LM); "lm+value": a shared-backbone actor-critic, the policy with a
         linear value head on its last hidden state (`model.value_head`, loaded from VALUE_HEAD_FILE in
-        `model_path` when there is one, else zero: every value starts at 0)."""
+        `model_path` when there is one, else zero: every value starts at 0). `temperature`: the policy's
+        log-probabilities are taken under logits / temperature, the distribution inference samples."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -71,6 +73,7 @@ class FSDPEngine:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
         torch.manual_seed(seed)
         self.head = head
+        self.temperature = temperature
         self.device = device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -206,7 +209,7 @@ class FSDPEngine:
             if k >= len(chunks):
                 mb.mask = torch.zeros_like(mb.mask)
             mask = mb.mask.to(self.device)
-            lp, ent, logits, values = self._policy_forward(mb, cfg.temperature)
+            lp, ent, logits, values = self._policy_forward(mb, self.temperature)
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
             out = self._policy_loss(
@@ -234,7 +237,7 @@ class FSDPEngine:
                 )
             for name, (top_ids, top_lp, sampled) in mb.teachers.items():
                 d_loss, per = topk_forward_kl(
-                    logits, top_ids.to(self.device), top_lp.to(self.device), mask, temperature=cfg.temperature,
+                    logits, top_ids.to(self.device), top_lp.to(self.device), mask, temperature=self.temperature,
                     floor=cfg.distill_floor, aggregation=cfg.loss_agg, normalizer=normalizer,
                 )  # fmt: skip
                 if cfg.distill_coef > 0:
@@ -394,7 +397,7 @@ class FSDPEngine:
             for p, old in zip(params, self._snapshot, strict=True):
                 _local(p).copy_(old)
             try:
-                lp, _, _ = self.forward_logprobs(mb, cfg.temperature)
+                lp, _, _ = self.forward_logprobs(mb, self.temperature)
             finally:
                 for p, now in zip(params, current, strict=True):
                     _local(p).copy_(now)

@@ -15,30 +15,24 @@ Rules:
 - The data plane's controller runs on the host of rank 0 at `base_port`; every host runs a storage
   server at `base_port + 1`.
 
-All problems are collected and raised together as one RecipeError, each naming the recipe field.
+All problems are collected and raised together as one RecipeError, each naming the recipe field
+(`meshrl/planning/checks.py` finds them); placement and ports are `place` and `ports`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshrl.planning.recipe import Recipe, RecipeError, Scheduling, ServiceConfig
-from meshrl.roles.inference.config import InferenceConfig
+from meshrl.planning import checks
+from meshrl.planning.checks import devices_needed
+from meshrl.planning.config import RecipeError
+from meshrl.planning.recipe import Recipe, Scheduling
 
 SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
 HEALTH, MASTER, WEIGHTS, SPARE = range(PORTS)
-
-# Friendly hints for a column nobody writes.
-PRODUCER_HINTS = {
-    "values": "add a critic service group (or enable the trainer's value head)",
-    "ref_logprobs": "add a reference service group",
-    "rm_score": "add a reward-model service group",
-    "teacher_topk_ids": "add a teacher service group",
-    "teacher_topk_logprobs": "add a teacher service group",
-    "teacher_logprobs": "add a teacher service group",
-}
 
 
 @dataclass(frozen=True, order=True)
@@ -149,116 +143,39 @@ def cohosts(recipe: Recipe, topology: Topology) -> dict[str, tuple[Process, ...]
     return {name: tuple(ps) for name, ps in hosted.items()}
 
 
-def devices_needed(recipe: Recipe) -> int:
-    """Devices the recipe occupies: ring members share their devices."""
-    shared: set[str] = set()
-    for ring in recipe.rings:
-        names = {m.group for m in ring.members}
-        in_order = [g.id for g in recipe.groups if g.id in names]
-        shared |= set(in_order[1:])
-    return sum(g.replicas * g.devices_per_replica for g in recipe.groups if g.id not in shared)
-
-
-def plan(recipe: Recipe, devices: list[Device] | tuple[Device, ...]) -> Topology:
-    problems: list[str] = []
+def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
+    """Who runs where, on which ports; every problem of the recipe on these devices is raised at once."""
     devs = sorted(devices)
-    _check_devices(devs, problems)
-    groups = {g.id: g for g in recipe.groups}
-
-    # rings
-    ring_of: dict[str, tuple[str, Scheduling]] = {}
-    leader_of: dict[str, str] = {}
-    for ring in recipe.rings:
-        where = f"rings[{ring.id!r}]"
-        if len(ring.members) < 2:
-            problems.append(f"{where}.members: a ring needs at least two members")
-        fallbacks = [m.group for m in ring.members if m.mode is Scheduling.FALLBACK]
-        if len(fallbacks) > 1:
-            problems.append(f"{where}.members: at most one FALLBACK member, got {fallbacks}")
-        for m in ring.members:
-            if m.group not in groups:
-                problems.append(f"{where}.members: unknown group {m.group!r} (groups: {sorted(groups)})")
-                continue
-            if m.group in ring_of:
-                problems.append(
-                    f"{where}.members: group {m.group!r} is already in ring {ring_of[m.group][0]!r}"
-                )
-                continue
-            ring_of[m.group] = (ring.id, m.mode)
-        order = {g.id: i for i, g in enumerate(recipe.groups)}
-        known = sorted((m for m in ring.members if m.group in groups), key=lambda m: order[m.group])
-        if known:  # the member placed first (recipe order) takes devices; the others reuse them
-            first = groups[known[0].group]
-            for m in known[1:]:
-                g = groups[m.group]
-                leader_of.setdefault(m.group, first.id)
-                if (g.replicas, g.devices_per_replica) != (first.replicas, first.devices_per_replica):
-                    problems.append(
-                        f"{where}.members: {m.group!r} ({g.replicas} x {g.devices_per_replica} devices) does not "
-                        f"share devices with {first.id!r} ({first.replicas} x {first.devices_per_replica}); ring "
-                        "members need the same replicas and devices_per_replica"
-                    )
-            for m in known:
-                config = groups[m.group].config
-                if isinstance(config, InferenceConfig) and config.engine == "vllm":
-                    problems.append(
-                        f"{where}.members: {m.group!r} uses the vllm engine, which cannot offload (its weights "
-                        "and KV cache would stay on the devices through the other members' turns); use the "
-                        "hf engine in a ring or give the group devices of its own"
-                    )
-                if groups[m.group].devices_per_replica == 0:
-                    problems.append(
-                        f"{where}.members: {m.group!r} uses no devices; only device roles take turns"
-                    )
-                elif ring.hybrid and groups[m.group].devices_per_replica != 1:
-                    problems.append(
-                        f"{where}.hybrid: {m.group!r} has {groups[m.group].devices_per_replica} devices per "
-                        "replica; co-process members use one (a sharded trainer cannot lend its weights yet)"
-                    )
-
-    need = devices_needed(recipe)
-    if devs and need > len(devs):
-        problems.append(
-            f"groups: the recipe needs {need} devices ({_demand(recipe)}), only {len(devs)} available"
-        )
-    elif devs and need < len(devs) and need > 0:
-        problems.append(
-            f"groups: {len(devs)} devices but the recipe uses {need} ({_demand(recipe)}); "
-            f"run with {need} devices or add replicas"
-        )
-
-    _check_columns(recipe, problems)
-    for g in recipe.groups:
-        if isinstance(g.config, ServiceConfig):
-            problems += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(recipe, g)]
-    if problems:
-        raise RecipeError(problems)
-
-    # placement
-    next_dev = 0
-    alloc: dict[tuple[str, int], list[Device]] = {}
-    for g in recipe.groups:
-        if g.devices_per_replica == 0:
-            continue
-        leader = leader_of.get(g.id)
-        for i in range(g.replicas):
-            if leader is not None:
-                alloc[(g.id, i)] = alloc[(leader, i)]
-            else:
-                alloc[(g.id, i)] = list(devs[next_dev : next_dev + g.devices_per_replica])
-                next_dev += g.devices_per_replica
-    world = max(1, len(devs))
-    host_index: dict[int, int] = {}
-    seen: Counter[str] = Counter()
+    found = checks.problems(recipe, devs)
+    if found:
+        raise RecipeError(found)
+    replicas = place(recipe, devs)
+    found = _port_problems(recipe, replicas)
+    if found:
+        raise RecipeError(found)
+    hosts: dict[str, int] = {}
     for d in devs:
-        host_index[d.rank] = seen[d.host]
-        seen[d.host] += 1
-    slot_count: Counter[int] = Counter()
+        hosts.setdefault(d.host, d.rank)
+    hosts = hosts or {"localhost": 0}
+    controller_host = devs[0].host if devs else "localhost"
+    storage = tuple((h, r, recipe.base_port + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
+    return Topology(tuple(devs), replicas, controller_host, recipe.base_port, storage)
+
+
+def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:
+    """Every replica's processes: devices in recipe order (ring members reuse their leader's), CPU-only
+    replicas round-robin over the launchers, slots numbered per launcher in plan order, ports from
+    each launcher's position on its host."""
+    alloc = _allocate(recipe, devs)
+    world = max(1, len(devs))
     by_rank = {d.rank: d for d in devs} or {0: Device(0, "localhost", 0)}
+    host_index = _host_index(devs)
+    slots: Counter[int] = Counter()
     cpu_next = 0
     replicas = []
     for g in recipe.groups:
-        ring_id, mode = ring_of.get(g.id, (None, None))
+        ring = next((r for r in recipe.rings if g.id in {m.group for m in r.members}), None)
+        mode = next((m.mode for m in ring.members if m.group == g.id), None) if ring else None
         for i in range(g.replicas):
             if g.devices_per_replica:
                 placed = [(d, True) for d in alloc[(g.id, i)]]
@@ -267,9 +184,8 @@ def plan(recipe: Recipe, devices: list[Device] | tuple[Device, ...]) -> Topology
                 cpu_next += 1
             procs = []
             for w, (d, uses) in enumerate(placed):
-                slot = slot_count[d.rank]
-                slot_count[d.rank] += 1
-                start = recipe.base_port + 2 + (host_index.get(d.rank, 0) * SLOTS + slot) * PORTS
+                slot = slots[d.rank]
+                slots[d.rank] += 1
                 procs.append(
                     Process(
                         g.id,
@@ -280,58 +196,59 @@ def plan(recipe: Recipe, devices: list[Device] | tuple[Device, ...]) -> Topology
                         d.local_rank,
                         uses,
                         slot,
-                        tuple(range(start, start + PORTS)),
+                        ports(recipe, host_index[d.rank], slot),
                     )
                 )
-            replicas.append(Replica(g.id, i, tuple(procs), ring_id, mode))
+            replicas.append(Replica(g.id, i, tuple(procs), ring.id if ring else None, mode))
+    return tuple(replicas)
 
-    crowded = sorted(r for r, n in slot_count.items() if n > SLOTS)
+
+def ports(recipe: Recipe, launcher_on_host: int, slot: int) -> tuple[int, ...]:
+    """The PORTS ports of process `slot` of the launcher at position `launcher_on_host` of its host."""
+    start = recipe.base_port + 2 + (launcher_on_host * SLOTS + slot) * PORTS
+    return tuple(range(start, start + PORTS))
+
+
+def _allocate(recipe: Recipe, devs: Sequence[Device]) -> dict[tuple[str, int], list[Device]]:
+    """(group, replica) -> its devices, in recipe order; ring members reuse their leader's devices."""
+    next_dev = 0
+    alloc: dict[tuple[str, int], list[Device]] = {}
+    for g in recipe.groups:
+        if g.devices_per_replica == 0:
+            continue
+        leader = checks.ring_leader(recipe, g.id)
+        for i in range(g.replicas):
+            if leader is not None:
+                alloc[(g.id, i)] = alloc[(leader, i)]
+            else:
+                alloc[(g.id, i)] = list(devs[next_dev : next_dev + g.devices_per_replica])
+                next_dev += g.devices_per_replica
+    return alloc
+
+
+def _host_index(devs: Sequence[Device]) -> dict[int, int]:
+    """rank -> the launcher's position among the launchers of its host, in rank order."""
+    index: dict[int, int] = {0: 0}
+    seen: Counter[str] = Counter()
+    for d in devs:
+        index[d.rank] = seen[d.host]
+        seen[d.host] += 1
+    return index
+
+
+def _port_problems(recipe: Recipe, replicas: Sequence[Replica]) -> list[str]:
+    found = []
+    slots = Counter(p.rank for r in replicas for p in r.processes)
+    crowded = sorted(r for r, n in slots.items() if n > SLOTS)
     if crowded:
-        problems.append(
+        found.append(
             f"groups: launcher ranks {crowded[:8]} would start more than {SLOTS} processes each; "
             "use fewer CPU-only replicas or more devices"
         )
     top = max((p for r in replicas for p in r.processes), key=lambda p: p.ports[-1], default=None)
     if top is not None and top.ports[-1] > 65535:
-        problems.append(f"base_port: {recipe.base_port} leaves no room for the ports of {top.name}; lower it")
-    if problems:
-        raise RecipeError(problems)
-
-    hosts: dict[str, int] = {}
-    for d in devs:
-        hosts.setdefault(d.host, d.rank)
-    if not hosts:
-        hosts = {"localhost": 0}
-    controller_host = by_rank[min(by_rank)].host
-    storage = tuple((h, r, recipe.base_port + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
-    return Topology(tuple(devs), tuple(replicas), controller_host, recipe.base_port, storage)
+        found.append(f"base_port: {recipe.base_port} leaves no room for the ports of {top.name}; lower it")
+    return found
 
 
-def _check_devices(devs: list[Device], problems: list[str]) -> None:
-    ranks = [d.rank for d in devs]
-    if ranks != list(range(len(devs))):
-        problems.append(f"devices: global ranks must be 0..{len(devs) - 1} exactly once, got {ranks[:16]}")
-
-
-def _check_columns(recipe: Recipe, problems: list[str]) -> None:
-    written: set[tuple[str, str]] = set()
-    for g in recipe.groups:
-        if isinstance(g.config, ServiceConfig):
-            for part, cols in g.config.writes().items():
-                written |= {(part, c) for c in cols}
-    for g in recipe.groups:
-        if not isinstance(g.config, ServiceConfig):
-            continue
-        for part, cols in g.config.reads().items():
-            for c in cols:
-                if (part, c) not in written:
-                    hint = PRODUCER_HINTS.get(c, "add a service that writes it")
-                    problems.append(
-                        f"groups[{g.id!r}].config reads {part}.{c}, which no service writes: {hint}"
-                    )
-
-
-def _demand(recipe: Recipe) -> str:
-    return ", ".join(
-        f"{g.id} {g.replicas}x{g.devices_per_replica}" for g in recipe.groups if g.devices_per_replica
-    )
+__all__ = ["Device", "Process", "Replica", "Topology", "cohosts", "devices_needed", "place", "plan", "ports"]

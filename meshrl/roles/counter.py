@@ -8,11 +8,12 @@ launcher's failure path).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.runtime.service import Service
 
 
@@ -24,8 +25,9 @@ class CounterProducerConfig(ServiceConfig):
     batch: int = 10
     """Rows per put."""
 
-    def __post_init__(self) -> None:
-        require(self.count >= 1 and self.batch >= 1, "counter", "count and batch must be >= 1")
+    def validate(self) -> Iterator[str]:
+        if self.count < 1 or self.batch < 1:
+            yield "count, batch: must be >= 1"
 
     def writes(self) -> Columns:
         return {"counter": ("n",)}

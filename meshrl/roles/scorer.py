@@ -8,6 +8,7 @@ trainer, whose claim lists that column, only ever sees rows that have it; nothin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
-from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles import SAMPLES
 from meshrl.runtime.service import Service
 
@@ -40,9 +41,11 @@ class ScorerConfig(ServiceConfig):
     threads: int = 0
     """torch threads (0: leave the default)."""
 
-    def __post_init__(self) -> None:
-        require(self.max_batch >= 1, "max_batch", "must be >= 1")
-        require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+    def validate(self) -> Iterator[str]:
+        if self.max_batch < 1:
+            yield "max_batch: must be >= 1"
+        if self.max_tokens < 1:
+            yield "max_tokens: must be >= 1"
 
     def reads(self) -> Columns:
         return {SAMPLES: ("prompt", "response")}

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Client
-from meshrl.planning.recipe import Recipe, ServiceConfig
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.recipe import Recipe
 from meshrl.planning.topology import HEALTH, Process, Replica, Topology
 
 if TYPE_CHECKING:

@@ -91,7 +91,8 @@ def test_teacher_with_another_vocabulary_fails_at_start_up(tiny_model, tmp_path)
 
     from transformers import AutoTokenizer
 
-    from meshrl.planning.recipe import RecipeError, load_recipe
+    from meshrl.planning.config import RecipeError
+    from meshrl.planning.recipe import load_recipe
     from meshrl.planning.topology import Device, plan
 
     other = tmp_path / "other"

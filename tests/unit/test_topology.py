@@ -11,17 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.planning.recipe import (
-    ColocationRing,
-    Columns,
-    Recipe,
-    RecipeError,
-    RingMember,
-    Scheduling,
-    ServiceConfig,
-    ServiceGroup,
-    load_recipe,
-)
+from meshrl.planning.config import Columns, RecipeError, ServiceConfig
+from meshrl.planning.recipe import ColocationRing, Recipe, RingMember, Scheduling, ServiceGroup, load_recipe
 from meshrl.planning.topology import Device, devices_needed, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,8 +181,8 @@ def test_a_vllm_engine_cannot_take_turns_in_a_ring(tmp_path):
 
     msg = problems(ring_recipe("vllm"), cluster(1, 1))
     assert (
-        "rings['shared'].members: 'inference' uses the vllm engine, which cannot offload (its weights and KV "
-        "cache would stay on the devices through the other members' turns)"
+        "groups['inference'].config.engine: 'inference' in ring 'shared' uses the vllm engine, which cannot "
+        "offload (its weights and KV cache would stay on the devices through the other members' turns)"
     ) in msg, msg
     assert plan(ring_recipe("hf"), cluster(1, 1)).replicas
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles import SAMPLES
+from meshrl.roles.trainer.config import Schedule
 from meshrl.state.checkpoint import CHECKPOINT_ACKS
 
 if TYPE_CHECKING:
@@ -29,12 +31,8 @@ class CriticConfig(ServiceConfig):
     model: str
     """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
-    prompts_per_step: int = 16
-    """Must equal the rollout's."""
-    group_size: int = 8
-    """Must equal the rollout's."""
     lr: float = 1e-5
-    schedule: str = "constant"
+    schedule: Schedule = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -53,20 +51,15 @@ class CriticConfig(ServiceConfig):
     """Save the critic (HF token-classification checkpoint) in <run_dir>/critic at the end."""
     threads: int = 0
 
-    def __post_init__(self) -> None:
-        require(self.lr > 0, "lr", "must be > 0")
-        require(self.mini_batches >= 1 and self.epochs >= 1, "mini_batches", "mini_batches, epochs >= 1")
-        require(self.micro_batch >= 1 and self.max_batch >= 1, "micro_batch", "batch sizes must be >= 1")
-        require(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 (or None)")
-        require(
-            (self.prompts_per_step * self.group_size) % self.mini_batches == 0,
-            "mini_batches",
-            "must divide prompts_per_step * group_size",
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.group_size
+    def validate(self) -> Iterator[str]:
+        if self.lr <= 0:
+            yield "lr: must be > 0"
+        if self.mini_batches < 1 or self.epochs < 1:
+            yield "mini_batches: mini_batches, epochs >= 1"
+        if self.micro_batch < 1 or self.max_batch < 1:
+            yield "micro_batch: batch sizes must be >= 1"
+        if self.value_clip is not None and self.value_clip <= 0:
+            yield "value_clip: must be > 0 (or None)"
 
     def reads(self) -> Columns:
         return {SAMPLES: ("prompt", "response", "values", "returns", "valid")}
@@ -85,13 +78,12 @@ class CriticConfig(ServiceConfig):
             problems.append(f"model: path {self.model!r} does not exist")
         if group.replicas != 1 or group.devices_per_replica > 1:
             problems.append("replicas/devices_per_replica: the critic runs as one replica on one device")
+        if recipe.batch_size % self.mini_batches:
+            problems.append(
+                f"mini_batches: must divide the recipe's prompts_per_step x group_size ({recipe.batch_size})"
+            )
         for g in recipe.groups:
             if isinstance(g.config, RolloutConfig):
-                if (g.config.prompts_per_step, g.config.group_size) != (
-                    self.prompts_per_step,
-                    self.group_size,
-                ):
-                    problems.append(f"prompts_per_step/group_size: must equal {g.id}'s")
                 if g.config.advantage != "gae":
                     problems.append(
                         f"{g.id}.advantage is {g.config.advantage!r}: a critic is only used by 'gae'"

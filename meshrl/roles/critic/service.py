@@ -136,8 +136,7 @@ class CriticService(Service):
         )  # fmt: skip
 
     def claim_train(self) -> asyncio.Task[Batch]:
-        cfg = self.config
-        n = cfg.batch_size
+        n = self.ctx.recipe.batch_size
         return asyncio.create_task(
             self.client.claim(SAMPLES, TRAIN_CONSUMER, ["prompt", "response", "values", "returns", "valid"], n,
                               min_n=n, timeout=WATCH_S, lease=LEASE_S)
@@ -145,7 +144,6 @@ class CriticService(Service):
 
     async def round(self) -> None:
         """Take what the claims brought, serve the values the current version may, train when allowed."""
-        cfg = self.config
         if self.values_claim.done():
             batch = self.values_claim.result()
             if batch:
@@ -163,7 +161,7 @@ class CriticService(Service):
                 self.train_claim = self.claim_train()
         # Synchronous PPO computes a batch's values before any update on it: train on batch v (this
         # critic's version) only once every sample of it has its values.
-        if self.held is not None and self.valued >= (self.version + 1) * cfg.batch_size:
+        if self.held is not None and self.valued >= (self.version + 1) * self.ctx.recipe.batch_size:
             await asyncio.to_thread(self.train, self.held)
             self.version_changed.set()
             self.training = self.held.ids.tolist()

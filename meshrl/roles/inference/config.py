@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles import EVAL, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
 
 GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
-ENGINES = ("hf", "vllm", "sglang", "sim")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,7 @@ class InferenceConfig(ServiceConfig):
     """Local path of the initial policy (anything AutoModelForCausalLM.from_pretrained loads)."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to from_pretrained (dtype, trust_remote_code, gguf_file, ...)."""
-    engine: str = "hf"
+    engine: Literal["hf", "vllm", "sglang", "sim"] = "hf"
     """Generation engine: "hf" (transformers; CPU, tests, small models), "vllm" (needs the vllm extra),
     "sglang" (GPU; needs the sglang extra) or "sim" (sleeps; benchmarks)."""
     sim: SimGeneration = SimGeneration()
@@ -66,18 +66,17 @@ class InferenceConfig(ServiceConfig):
     """Settings of the vLLM engine."""
     sglang: SGLangSettings = SGLangSettings()
     """Settings of the SGLang engine."""
-    temperature: float = 1.0
     top_k: int = 0
     """0 disables top-k."""
     top_p: float = 1.0
     max_new_tokens: int = 16
     max_batch: int = 256
     """Rows generated together at most."""
-    interrupt: str = "finish"
+    interrupt: Literal["finish", "continue"] = "finish"
     """When new weights arrive mid-batch: "finish" the batch on the old weights (the new ones are
     staged and swapped in after it), or "continue" (stop at the next token, load, continue the same
     completions on the new weights; such samples carry both versions)."""
-    preempt: str = "finish"
+    preempt: Literal["finish", "abort"] = "finish"
     """In a colocation ring, when an ON_DEMAND member asks for the devices mid-batch: "finish" the batch,
     then give them up; or "abort" (stop at the next token, drop the partial completions, give the devices
     up, and generate those rows again from the start once they are back)."""
@@ -86,13 +85,11 @@ class InferenceConfig(ServiceConfig):
     threads: int = 0
     """torch threads of this process (0: leave the default)."""
 
-    def __post_init__(self) -> None:
-        require(self.temperature >= 0, "temperature", "must be >= 0")
-        require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-        require(self.max_batch >= 1, "max_batch", "must be >= 1")
-        require(self.engine in ENGINES, "engine", f"{self.engine!r} is not one of {ENGINES}")
-        require(self.interrupt in ("finish", "continue"), "interrupt", "must be 'finish' or 'continue'")
-        require(self.preempt in ("finish", "abort"), "preempt", "must be 'finish' or 'abort'")
+    def validate(self) -> Iterator[str]:
+        if self.max_new_tokens < 1:
+            yield "max_new_tokens: must be >= 1"
+        if self.max_batch < 1:
+            yield "max_batch: must be >= 1"
 
     def reads(self) -> Columns:
         return {SAMPLES: ("prompt",), EVAL: ("prompt",)}
@@ -114,11 +111,18 @@ class InferenceConfig(ServiceConfig):
                 problems.append(
                     f"engine: {self.engine!r} needs {name}, which is not installed: {module.INSTALL}"
                 )
-            if (self.top_k or self.top_p < 1) and self.temperature > 0:
+            if (self.top_k or self.top_p < 1) and recipe.temperature > 0:
                 problems.append(
                     f"engine: with top_k / top_p, {name}'s logprobs are renormalised over the kept tokens and "
                     "would not match the trainer's; use the hf engine or turn truncation off"
                 )
         if self.trainer not in {g.id for g in recipe.groups}:
             problems.append(f"trainer: no group {self.trainer!r} in the recipe")
+        ring = next((r.id for r in recipe.rings if group.id in {m.group for m in r.members}), None)
+        if ring is not None and self.engine == "vllm":
+            problems.append(
+                f"engine: {group.id!r} in ring {ring!r} uses the vllm engine, which cannot offload (its weights "
+                "and KV cache would stay on the devices through the other members' turns); use the hf engine "
+                "in a ring or give the group devices of its own"
+            )
         return problems

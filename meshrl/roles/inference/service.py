@@ -388,7 +388,7 @@ class InferenceService(Service):
                     for left in sorted({cfg.max_new_tokens - len(tokens[i]) for i in index}):
                         same = [i for i in index if cfg.max_new_tokens - len(tokens[i]) == left]
                         params = SamplingParams(
-                            temperature=0.0 if mode else cfg.temperature,
+                            temperature=0.0 if mode else self.ctx.recipe.temperature,
                             top_k=cfg.top_k,
                             top_p=cfg.top_p,
                             max_new_tokens=left,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrl.planning.recipe import Columns
+from meshrl.planning.config import Columns
 from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles import EVAL, GATE, SAMPLES
 from meshrl.state.checkpoint import CHECKPOINT_ACKS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}
 
 
@@ -41,17 +41,14 @@ class RolloutConfig(ServiceConfig):
     """Weight of the rule reward in the reward trained on (0: the rule only evaluates)."""
     rm_weight: float = 0.0
     """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""
-    prompts_per_step: int = 16
-    group_size: int = 8
-    """Completions per prompt (GRPO group)."""
     max_prompt_len: int = 64
     """Tokens; longer prompts are skipped and counted."""
     window: int | None = 1
     """Pacing: 1 = lock-step (sync), k = at most k steps ahead of the trainer, None = never wait."""
-    advantage: str = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """How rewards become advantages: grpo, dr_grpo (no std scaling), rloo, reinforce_pp, or gae (per
     token, from values: see `values`)."""
-    values: str = "critic"
+    values: Literal["critic", "trainer"] = "critic"
     """Where gae's values come from: "critic" (a critic service writes `values`; rollout computes the
     advantages and writes `returns` too) or "trainer" (the trainer's value head, trainer.value_head:
     rollout writes the per-token rewards `token_rewards`, and the trainer computes values, advantages
@@ -72,7 +69,7 @@ class RolloutConfig(ServiceConfig):
     """Adapt kl_in_reward towards this KL per sample (Ziegler et al. 2019); None keeps it fixed."""
     kl_horizon: int = 10000
     """Samples over which the adaptive coefficient moves by at most 20%."""
-    kl_estimator: str = "k1"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL estimator of the penalty: k1, k2 or k3."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and draw new prompts instead."""
@@ -90,41 +87,27 @@ class RolloutConfig(ServiceConfig):
     eval_samples: int = 1
     """Sampled completions per eval prompt (besides the greedy one)."""
 
-    def __post_init__(self) -> None:
-        require(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
-        require(self.group_size >= 1, "group_size", "must be >= 1")
-        require(self.window is None or self.window >= 1, "window", "must be >= 1 or None")
-        require(self.advantage in ADVANTAGES, "advantage", f"{self.advantage!r} is not one of {ADVANTAGES}")
-        require(0 <= self.max_failed_fraction <= 1, "max_failed_fraction", "must be in [0, 1]")
-        require(
-            self.reward is None or ":" in self.reward,
-            "reward", f"{self.reward!r} must look like 'package.module:function'",
-        )  # fmt: skip
-        require(
-            self.reward is not None or self.reward_weight == 0, "reward_weight", "needs a reward function"
-        )
-        require(
-            (self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0,
-            "reward", "nothing to train on: set a reward function with reward_weight > 0, or rm_weight > 0",
-        )  # fmt: skip
-        require(
-            self.values in ("critic", "trainer"), "values", f"{self.values!r} is not 'critic' or 'trainer'"
-        )
-        require(
-            self.values == "critic" or self.advantage == "gae", "values", "'trainer' is for advantage=gae"
-        )
-        require(self.kl_in_reward >= 0, "kl_in_reward", "must be >= 0")
-        require(self.kl_target is None or self.kl_target > 0, "kl_target", "must be > 0 (or None)")
-        require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
-        require(0 < self.max_filtered_fraction <= 1, "max_filtered_fraction", "must be in (0, 1]")
-        require(
-            self.overlong_max_len is None or 0 <= self.overlong_buffer <= self.overlong_max_len,
-            "overlong_buffer", "must be between 0 and overlong_max_len",
-        )  # fmt: skip
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.group_size
+    def validate(self) -> Iterator[str]:
+        if self.window is not None and self.window < 1:
+            yield "window: must be >= 1 or None"
+        if not 0 <= self.max_failed_fraction <= 1:
+            yield "max_failed_fraction: must be in [0, 1]"
+        if self.reward is not None and ":" not in self.reward:
+            yield f"reward: {self.reward!r} must look like 'package.module:function'"
+        if self.reward is None and self.reward_weight != 0:
+            yield "reward_weight: needs a reward function"
+        if not ((self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0):
+            yield "reward: nothing to train on: set a reward function with reward_weight > 0, or rm_weight > 0"
+        if self.values == "trainer" and self.advantage != "gae":
+            yield "values: 'trainer' is for advantage=gae"
+        if self.kl_in_reward < 0:
+            yield "kl_in_reward: must be >= 0"
+        if self.kl_target is not None and self.kl_target <= 0:
+            yield "kl_target: must be > 0 (or None)"
+        if not 0 < self.max_filtered_fraction <= 1:
+            yield "max_filtered_fraction: must be in (0, 1]"
+        if self.overlong_max_len is not None and not 0 <= self.overlong_buffer <= self.overlong_max_len:
+            yield "overlong_buffer: must be between 0 and overlong_max_len"
 
     def score_columns(self) -> tuple[str, ...]:
         """What a row needs before rollout can score it: the completion, and whatever the reward and

@@ -72,7 +72,7 @@ class RolloutService(Service):
         self.order: list[int] = []
         self.epoch = 0
         self.cursor = 0
-        self.total = self.ctx.recipe.total_steps * cfg.batch_size
+        self.total = self.ctx.recipe.total_steps * self.ctx.recipe.batch_size
         self.started = self.scored = self.failed = self.skipped = 0
         self.first_failure: str | None = None
         self.gates = 0
@@ -276,39 +276,39 @@ class RolloutService(Service):
         window = self.config.window
         if window is None:
             return self.total
-        return min(self.total, max(0, self.gates - 1 + window) * self.config.batch_size)
+        return min(self.total, max(0, self.gates - 1 + window) * self.ctx.recipe.batch_size)
 
     def min_version(self, sample: int) -> int:
         """Oldest weight version sample number `sample` may be generated with (enforced by inference)."""
         window = self.config.window
-        return 0 if window is None else max(0, sample // self.config.batch_size - window + 1)
+        return 0 if window is None else max(0, sample // self.ctx.recipe.batch_size - window + 1)
 
     async def feed(self) -> None:
         """Write prompts one batch ahead of what the gates allow, each row tagged with its min_version:
         inference starts a row the moment its weight version lands, with no round trip through here."""
         cfg = self.config
-        ahead = 0 if cfg.window is None else cfg.batch_size
+        ahead = 0 if cfg.window is None else self.ctx.recipe.batch_size
         while True:  # dynamic sampling can hand back started samples after the last prompt was fed
             room = min(self.total, self.allowed() + ahead) - self.started
-            if room < cfg.group_size:
+            if room < self.ctx.recipe.group_size:
                 self.changed.clear()
                 await self.changed.wait()
                 continue
             async with self.pause.work():  # a checkpoint may pause us here
                 room = min(self.total, self.allowed() + ahead) - self.started
-                if room < cfg.group_size:
+                if room < self.ctx.recipe.group_size:
                     continue
-                prompts = min(room // cfg.group_size, cfg.prompts_per_step)
+                prompts = min(room // self.ctx.recipe.group_size, self.ctx.recipe.prompts_per_step)
                 groups: list[tuple[int, int, int, int]] = []  # (group, prompt id, epoch, min version)
                 tokens: dict[int, torch.Tensor] = {}
                 while len(groups) < prompts:
                     index, tokens[index] = self.next_prompt()
                     self.group_seq += 1
                     # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
-                    started = self.started + len(groups) * cfg.group_size
+                    started = self.started + len(groups) * self.ctx.recipe.group_size
                     need = self.refill.pop(0) if self.refill else self.min_version(started)
                     groups.append((self.group_seq, index, self.epoch, need))
-                self.started += len(groups) * cfg.group_size
+                self.started += len(groups) * self.ctx.recipe.group_size
                 key = f"{self.ctx.name}/feed/{groups[0][0]}"
                 self.pending[key] = {"kind": "feed", "groups": groups}
                 self.persist()
@@ -319,7 +319,7 @@ class RolloutService(Service):
         self, key: str, groups: list[tuple[int, int, int, int]], tokens: dict[int, torch.Tensor] | None = None
     ) -> None:
         """`group_size` rows per group into `samples`, under the idempotency key `key`."""
-        n = self.config.group_size
+        n = self.ctx.recipe.group_size
         rows: list[torch.Tensor] = []
         meta: list[Meta] = []
         for group, index, epoch, need in groups:
@@ -372,8 +372,8 @@ class RolloutService(Service):
         )
         while True:
             batch = await self.client.claim(
-                SAMPLES, "rollout", columns, cfg.batch_size, min_n=cfg.batch_size if whole else 1,
-                group_size=cfg.group_size, timeout=WATCH_S, lease=600,
+                SAMPLES, "rollout", columns, self.ctx.recipe.batch_size, min_n=self.ctx.recipe.batch_size if whole else 1,
+                group_size=self.ctx.recipe.group_size, timeout=WATCH_S, lease=600,
             )  # fmt: skip
             if not batch:
                 continue
@@ -419,7 +419,10 @@ class RolloutService(Service):
                 self.handling = set()
                 if bool(drop.any()):
                     drawn = self.scored + self.filtered
-                    if drawn >= 4 * cfg.batch_size and self.filtered > cfg.max_filtered_fraction * drawn:
+                    if (
+                        drawn >= 4 * self.ctx.recipe.batch_size
+                        and self.filtered > cfg.max_filtered_fraction * drawn
+                    ):
                         raise RuntimeError(
                             f"dynamic sampling dropped {self.filtered} of {drawn} samples (max_filtered_fraction="
                             f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
@@ -428,7 +431,10 @@ class RolloutService(Service):
                 self.ctx.health.info.update(
                     scored=self.scored, failed=self.failed, skipped=self.skipped, filtered=self.filtered
                 )
-                if self.scored >= 4 * cfg.group_size and self.failed > cfg.max_failed_fraction * self.scored:
+                if (
+                    self.scored >= 4 * self.ctx.recipe.group_size
+                    and self.failed > cfg.max_failed_fraction * self.scored
+                ):
                     raise RuntimeError(
                         f"{self.failed} of {self.scored} samples could not be scored (max_failed_fraction="
                         f"{cfg.max_failed_fraction}); first failure:\n{self.first_failure}"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshrl.planning.recipe import Columns, require
+from meshrl.planning.config import Columns
 from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 
@@ -33,8 +34,6 @@ class TeacherConfig(ScorerConfig):
 
     top_k: int = 8
     """Tokens kept per position."""
-    temperature: float = 1.0
-    """Must equal the trainer's (checked)."""
     prefix: str = "teacher"
     """Column prefix: {prefix}_topk_ids, {prefix}_topk_logprobs, {prefix}_logprobs."""
     token_chunk: int = 1024
@@ -42,16 +41,14 @@ class TeacherConfig(ScorerConfig):
     vocab_chunk: int = 16384
     """Vocabulary entries per top-k pass."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.top_k >= 1, "top_k", "must be >= 1")
-        require(self.temperature > 0, "temperature", "must be > 0")
-        require(self.token_chunk >= 1 and self.vocab_chunk >= 1, "token_chunk", "chunks must be >= 1")
-        require(
-            re.fullmatch(r"[a-z][a-z0-9_]*", self.prefix) is not None,
-            "prefix",
-            f"{self.prefix!r} must be lowercase letters, digits and _",
-        )
+    def validate(self) -> Iterator[str]:
+        yield from super().validate()
+        if self.top_k < 1:
+            yield "top_k: must be >= 1"
+        if self.token_chunk < 1 or self.vocab_chunk < 1:
+            yield "token_chunk: chunks must be >= 1"
+        if re.fullmatch(r"[a-z][a-z0-9_]*", self.prefix) is None:
+            yield f"prefix: {self.prefix!r} must be lowercase letters, digits and _"
 
     def writes(self) -> Columns:
         return {SAMPLES: teacher_columns(self.prefix)}
@@ -60,13 +57,11 @@ class TeacherConfig(ScorerConfig):
         from meshrl.roles.trainer.config import TrainerConfig
 
         problems = super().check(recipe, group)
+        if recipe.temperature <= 0:
+            problems.append("temperature: the recipe's must be > 0 for a teacher's distribution")
         for g in recipe.groups:
             if not isinstance(g.config, TrainerConfig):
                 continue
-            if g.config.temperature != self.temperature:
-                problems.append(
-                    f"temperature: {self.temperature} differs from {g.id}.temperature {g.config.temperature}"
-                )
             if not problems:
                 problems += tokenizer_mismatch(self.model, g.config.model, g.id)
         return problems

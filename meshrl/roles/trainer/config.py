@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from meshrl.planning.recipe import Columns, ServiceConfig, require
+from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles import GATE, SAMPLES
 from meshrl.state.checkpoint import CHECKPOINT
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-SCHEDULES = ("constant", "linear", "cosine")
-POLICY_LOSSES = ("ppo", "gspo")
-OFF_POLICY = ("none", "decoupled", "tis")
+KLEstimator = Literal["k1", "k2", "k3"]
+Schedule = Literal["constant", "linear", "cosine"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,18 +34,12 @@ class TrainerConfig(ServiceConfig):
     """Local path of the initial policy."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     """Passed to AutoModelForCausalLM.from_pretrained."""
-    engine: str = "fsdp"
+    engine: Literal["fsdp", "sim"] = "fsdp"
     """Training engine: "fsdp" (FSDP2 over an HF causal LM) or "sim" (sleeps; pipeline benchmarks)."""
     sim: SimTraining = SimTraining()
     """Settings of the simulated engine."""
-    prompts_per_step: int = 16
-    """Must equal the rollout's."""
-    group_size: int = 8
-    """Must equal the rollout's."""
-    temperature: float = 1.0
-    """Sampling temperature of the inference service: logprobs are taken under logits / temperature."""
     lr: float = 1e-5
-    schedule: str = "constant"
+    schedule: Schedule = "constant"
     """Learning-rate schedule after warm-up: constant, linear (to 0 at the last step) or cosine."""
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -59,7 +52,7 @@ class TrainerConfig(ServiceConfig):
     `mini_batches` of them. Later mini-batches are slightly off-policy; the loss accounts for it."""
     epochs: int = 1
     """Optimizer steps over each mini-batch (PPO epochs)."""
-    off_policy: str = "none"
+    off_policy: Literal["none", "decoupled", "tis"] = "none"
     """How the loss treats samples from older weights: "none" (PPO ratio against the behaviour
     logprobs), "decoupled" (ratio against the trainer's own proximal policy, importance weight
     behaviour -> proximal truncated at is_cap) or "tis" (truncated importance sampling, no clipping)."""
@@ -69,9 +62,9 @@ class TrainerConfig(ServiceConfig):
     """Drop samples whose first token was generated more than this many versions ago (counted)."""
     micro_batch: int = 32
     """Rows per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
-    loss_agg: str = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """token-mean, seq-mean-token-mean or seq-mean-token-sum (normalised over the whole step)."""
-    policy_loss: str = "ppo"
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
     """ppo (clipped ratio per token) or gspo (sequence-level ratio)."""
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -87,7 +80,7 @@ class TrainerConfig(ServiceConfig):
     """Samples over which the adaptive coefficient moves by at most 20%."""
     kl_metric: bool = False
     """Read ref_logprobs and report kl_ref even when kl_coef is 0 (e.g. the KL penalty is in the reward)."""
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     teachers: dict[str, float] = field(default_factory=lambda: {"teacher": 1.0})
     """On-policy distillation: the teachers to learn from (their column prefix) and their weights.
     Read only when distill_coef, distill_advantage or distill_metric asks for them."""
@@ -124,48 +117,38 @@ class TrainerConfig(ServiceConfig):
     threads: int = 0
     """torch threads of each trainer process (0: leave the default)."""
 
-    def __post_init__(self) -> None:
-        require(self.lr > 0, "lr", "must be > 0")
-        require(self.engine in ("fsdp", "sim"), "engine", f"{self.engine!r} is not 'fsdp' or 'sim'")
-        require(self.schedule in SCHEDULES, "schedule", f"{self.schedule!r} is not one of {SCHEDULES}")
-        require(self.loss_agg in AGGREGATIONS, "loss_agg", f"{self.loss_agg!r} is not one of {AGGREGATIONS}")
-        require(
-            self.policy_loss in POLICY_LOSSES, "policy_loss", f"{self.policy_loss!r} not in {POLICY_LOSSES}"
-        )
-        require(self.micro_batch >= 1, "micro_batch", "must be >= 1")
-        require(self.mini_batches >= 1, "mini_batches", "must be >= 1")
-        require(self.epochs >= 1, "epochs", "must be >= 1")
-        require(
-            self.off_policy in OFF_POLICY, "off_policy", f"{self.off_policy!r} is not one of {OFF_POLICY}"
-        )
-        require(self.is_cap > 0, "is_cap", "must be > 0")
-        require(self.max_staleness is None or self.max_staleness >= 0, "max_staleness", "must be >= 0")
-        require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        require(self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator", "must be k1, k2 or k3")
-        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "must be > 1 (or None)")
-        require(self.kl_coef >= 0 and self.entropy_coef >= 0, "kl_coef", "coefficients must be >= 0")
-        require(self.kl_target is None or self.kl_target > 0, "kl_target", "must be > 0 (or None)")
-        require(
-            min(self.distill_coef, self.distill_advantage, self.pg_coef) >= 0, "distill_coef",
-            "distill_coef, distill_advantage and pg_coef must be >= 0",
-        )  # fmt: skip
-        require(not (self.value_head and self.engine == "sim"), "value_head", "needs engine='fsdp'")
-        require(self.value_coef >= 0, "value_coef", "must be >= 0")
-        require(self.value_clip is None or self.value_clip > 0, "value_clip", "must be > 0 (or None)")
-        require(
-            not self.distills or (bool(self.teachers) and all(w > 0 for w in self.teachers.values())),
-            "teachers",
-            f"{self.teachers!r}: distillation needs at least one teacher, each with a weight > 0",
-        )
+    def validate(self) -> Iterator[str]:
+        if self.lr <= 0:
+            yield "lr: must be > 0"
+        if min(self.micro_batch, self.mini_batches, self.epochs) < 1:
+            yield "micro_batch, mini_batches, epochs: must be >= 1"
+        if self.is_cap <= 0:
+            yield "is_cap: must be > 0"
+        if self.max_staleness is not None and self.max_staleness < 0:
+            yield "max_staleness: must be >= 0"
+        if self.warmup_steps < 0:
+            yield "warmup_steps: must be >= 0"
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            yield "dual_clip: must be > 1 (or None)"
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            yield "kl_coef: coefficients must be >= 0"
+        if self.kl_target is not None and self.kl_target <= 0:
+            yield "kl_target: must be > 0 (or None)"
+        if min(self.distill_coef, self.distill_advantage, self.pg_coef) < 0:
+            yield "distill_coef: distill_coef, distill_advantage and pg_coef must be >= 0"
+        if self.value_head and self.engine == "sim":
+            yield "value_head: needs engine='fsdp'"
+        if self.value_coef < 0:
+            yield "value_coef: must be >= 0"
+        if self.value_clip is not None and self.value_clip <= 0:
+            yield "value_clip: must be > 0 (or None)"
+        if self.distills and not (self.teachers and all(w > 0 for w in self.teachers.values())):
+            yield f"teachers: {self.teachers!r}: distillation needs at least one teacher, each with a weight > 0"
 
     @property
     def distills(self) -> bool:
         """Whether the trainer reads teacher columns."""
         return self.distill_coef > 0 or self.distill_advantage > 0 or self.distill_metric
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.group_size
 
     def columns(self) -> tuple[str, ...]:
         from meshrl.roles.teacher.config import teacher_columns
@@ -205,20 +188,16 @@ class TrainerConfig(ServiceConfig):
         if group.replicas != 1:
             problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
         world = max(1, group.devices_per_replica)
-        if self.prompts_per_step % world:
+        if recipe.prompts_per_step % (world * self.mini_batches):
             problems.append(
-                f"prompts_per_step: {self.prompts_per_step} must divide among {world} trainer ranks"
+                f"mini_batches: the recipe's prompts_per_step ({recipe.prompts_per_step}) must divide into "
+                f"{self.mini_batches} mini-batches of whole groups on each of {world} trainer rank(s)"
             )
         groups = {g.id: g for g in recipe.groups}
         for gid in self.inference:
             g = groups.get(gid)
             if g is None or not isinstance(g.config, InferenceConfig):
                 problems.append(f"inference: {gid!r} is not an inference group of this recipe")
-            elif g.config.temperature != self.temperature:
-                problems.append(
-                    f"temperature: {self.temperature} differs from {gid}.temperature {g.config.temperature}; "
-                    "logprobs would not match the sampling distribution"
-                )
         for ring in recipe.rings:
             members = {m.group for m in ring.members}
             missing = [gid for gid in self.inference if gid not in members]
@@ -241,13 +220,4 @@ class TrainerConfig(ServiceConfig):
                 )
         if self.value_head and len(rollouts) != 1:
             problems.append("value_head: the actor-critic takes GAE settings from exactly one rollout group")
-        for g in recipe.groups:
-            if isinstance(g.config, RolloutConfig) and (g.config.prompts_per_step, g.config.group_size) != (
-                self.prompts_per_step,
-                self.group_size,
-            ):
-                problems.append(
-                    f"prompts_per_step/group_size: ({self.prompts_per_step}, {self.group_size}) differ from "
-                    f"{g.id}'s ({g.config.prompts_per_step}, {g.config.group_size})"
-                )
         return problems

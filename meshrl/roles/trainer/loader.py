@@ -63,12 +63,12 @@ class Loader:
     with the one training, no more rows are held than a rank needs. Its own data-plane connection:
     a claim waiting for rows must not hold up the trainer's acknowledgements."""
 
-    def __init__(self, client: Client, cfg: TrainerConfig, n: int) -> None:
-        """Mini-batches of `n` rows (whole groups) with the columns `cfg` trains on."""
+    def __init__(self, client: Client, cfg: TrainerConfig, n: int, group_size: int) -> None:
+        """Mini-batches of `n` rows (whole groups of `group_size`) with the columns `cfg` trains on."""
         self.client = client
         self.cfg = cfg
         self.stream = client.stream(
-            SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=cfg.group_size, prefetch=1,
+            SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=group_size, prefetch=1,
             poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
         )  # fmt: skip
         self.ready: queue.Queue[MiniBatch] = queue.Queue(maxsize=1)

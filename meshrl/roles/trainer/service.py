@@ -76,7 +76,7 @@ class TrainerService(Service):
         else:
             self.engine = FSDPEngine(
                 cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed,
-                head="lm+value" if cfg.value_head else "lm",
+                head="lm+value" if cfg.value_head else "lm", temperature=recipe.temperature,
             )  # fmt: skip
         # the actor-critic computes GAE with the rollout's settings (the planner checked there is one)
         self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)
@@ -206,8 +206,10 @@ class TrainerService(Service):
         as needed; the loader has usually claimed and packed it while the mini-batch before trained."""
         if self.loader is None:
             cfg = self.config
-            n = cfg.batch_size // cfg.mini_batches // self.world
-            self.loader = Loader(self.ctx.client(f"{self.ctx.name}-loader"), cfg, n)
+            n = self.ctx.recipe.batch_size // cfg.mini_batches // self.world
+            self.loader = Loader(
+                self.ctx.client(f"{self.ctx.name}-loader"), cfg, n, self.ctx.recipe.group_size
+            )
         while True:
             mini = self.loader.get(timeout=CLAIM_POLL_S)
             if mini is not None:

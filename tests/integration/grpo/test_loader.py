@@ -13,7 +13,7 @@ from meshrl.roles import SAMPLES
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import Loader, MiniBatch
 
-CFG = TrainerConfig(model="unused", prompts_per_step=2, group_size=2)
+CFG, GROUP = TrainerConfig(model="unused"), 2
 
 
 def put_groups(c: Client, groups: range, *, version_width: int = 2) -> None:
@@ -36,7 +36,7 @@ def put_groups(c: Client, groups: range, *, version_width: int = 2) -> None:
 
 
 def claim_all(c: Client):
-    return c.claim(SAMPLES, "trainer", CFG.columns(), 16, group_size=CFG.group_size, timeout=5.0)
+    return c.claim(SAMPLES, "trainer", CFG.columns(), 16, group_size=GROUP, timeout=5.0)
 
 
 def take(loader: Loader) -> MiniBatch:
@@ -53,7 +53,7 @@ def test_loader_delivers_in_order_and_hands_back_what_it_claimed_ahead(plane):
     with Client(plane.controller) as c:
         c.create_partition(SAMPLES, 64)
         put_groups(c, range(4))
-        loader = Loader(Client(plane.controller, name="loader"), CFG, 2)
+        loader = Loader(Client(plane.controller, name="loader"), CFG, 2, GROUP)
         first = take(loader)
         assert first.summary["group"].tolist() == [0, 0]
         c.ack(first.batch)  # acknowledged on another connection, as the trainer does
@@ -69,7 +69,7 @@ def test_a_row_the_loader_cannot_prepare_stops_training_with_its_cause(plane):
     with Client(plane.controller) as c:
         c.create_partition(SAMPLES, 64)
         put_groups(c, range(1), version_width=1)  # "version" without its [first, last] pair
-        loader = Loader(Client(plane.controller, name="loader"), CFG, 2)
+        loader = Loader(Client(plane.controller, name="loader"), CFG, 2, GROUP)
         with pytest.raises(RuntimeError, match="loader failed") as info:
             for _ in range(20):
                 loader.get(timeout=0.5)

@@ -1,0 +1,126 @@
+"""Everything that can be wrong with a recipe on a given device list, found before anything starts.
+
+`problems(recipe, devices)` lists them all, each naming the recipe field to change: the device list
+itself, the colocation rings, the number of devices, columns someone reads that nobody writes, and
+each service config's own `check` against the whole recipe (paths, engines, settings that involve
+other services). Rules that belong to one role or engine live in that config's `check`, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from meshrl.planning.recipe import ColocationRing, Recipe, Scheduling, ServiceGroup
+
+if TYPE_CHECKING:
+    from meshrl.planning.topology import Device
+
+# Friendly hints for a column nobody writes.
+PRODUCER_HINTS = {
+    "values": "add a critic service group (or enable the trainer's value head)",
+    "ref_logprobs": "add a reference service group",
+    "rm_score": "add a reward-model service group",
+    "teacher_topk_ids": "add a teacher service group",
+    "teacher_topk_logprobs": "add a teacher service group",
+    "teacher_logprobs": "add a teacher service group",
+}
+
+
+def problems(recipe: Recipe, devices: Sequence[Device]) -> list[str]:
+    """Every problem of `recipe` on `devices`, in a stable order."""
+    out = list(_devices(devices))
+    ring_of: dict[str, str] = {}
+    for ring in recipe.rings:
+        out += _ring(recipe, ring, ring_of)
+    out += _device_count(recipe, len(devices))
+    out += _columns(recipe)
+    for g in recipe.groups:
+        out += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(recipe, g)]
+    return out
+
+
+def devices_needed(recipe: Recipe) -> int:
+    """Devices the recipe occupies: ring members share their devices."""
+    return sum(g.replicas * g.devices_per_replica for g in recipe.groups if ring_leader(recipe, g.id) is None)
+
+
+def ring_leader(recipe: Recipe, group: str) -> str | None:
+    """The group whose devices `group` reuses (the ring member placed first, in recipe order), or None
+    when `group` takes devices of its own."""
+    order = [g.id for g in recipe.groups]
+    for ring in recipe.rings:
+        members = sorted((m.group for m in ring.members if m.group in order), key=order.index)
+        if group in members[1:]:
+            return members[0]
+    return None
+
+
+def _devices(devices: Sequence[Device]) -> Iterator[str]:
+    ranks = sorted(d.rank for d in devices)
+    if ranks != list(range(len(devices))):
+        yield f"devices: global ranks must be 0..{len(devices) - 1} exactly once, got {ranks[:16]}"
+
+
+def _ring(recipe: Recipe, ring: ColocationRing, ring_of: dict[str, str]) -> Iterator[str]:
+    """Problems of one ring; `ring_of` collects group -> ring over the recipe's rings."""
+    where = f"rings[{ring.id!r}]"
+    groups = {g.id: g for g in recipe.groups}
+    if len(ring.members) < 2:
+        yield f"{where}.members: a ring needs at least two members"
+    fallbacks = [m.group for m in ring.members if m.mode is Scheduling.FALLBACK]
+    if len(fallbacks) > 1:
+        yield f"{where}.members: at most one FALLBACK member, got {fallbacks}"
+    for m in ring.members:
+        if m.group not in groups:
+            yield f"{where}.members: unknown group {m.group!r} (groups: {sorted(groups)})"
+        elif m.group in ring_of:
+            yield f"{where}.members: group {m.group!r} is already in ring {ring_of[m.group]!r}"
+        else:
+            ring_of[m.group] = ring.id
+    order = {g.id: i for i, g in enumerate(recipe.groups)}
+    known = sorted((groups[m.group] for m in ring.members if m.group in groups), key=lambda g: order[g.id])
+    for g in known[1:]:  # the member placed first takes devices; the others reuse them
+        first = known[0]
+        if (g.replicas, g.devices_per_replica) != (first.replicas, first.devices_per_replica):
+            yield (
+                f"{where}.members: {g.id!r} ({g.replicas} x {g.devices_per_replica} devices) does not share "
+                f"devices with {first.id!r} ({first.replicas} x {first.devices_per_replica}); ring members "
+                "need the same replicas and devices_per_replica"
+            )
+    for g in known:
+        yield from _ring_member(where, ring, g)
+
+
+def _ring_member(where: str, ring: ColocationRing, g: ServiceGroup) -> Iterator[str]:
+    if g.devices_per_replica == 0:
+        yield f"{where}.members: {g.id!r} uses no devices; only device roles take turns"
+    elif ring.hybrid and g.devices_per_replica != 1:
+        yield (
+            f"{where}.hybrid: {g.id!r} has {g.devices_per_replica} devices per replica; co-process members "
+            "use one (a sharded trainer cannot lend its weights yet)"
+        )
+
+
+def _device_count(recipe: Recipe, available: int) -> Iterator[str]:
+    need = devices_needed(recipe)
+    demand = ", ".join(
+        f"{g.id} {g.replicas}x{g.devices_per_replica}" for g in recipe.groups if g.devices_per_replica
+    )
+    if available and need > available:
+        yield f"groups: the recipe needs {need} devices ({demand}), only {available} available"
+    elif available and 0 < need < available:
+        yield (
+            f"groups: {available} devices but the recipe uses {need} ({demand}); "
+            f"run with {need} devices or add replicas"
+        )
+
+
+def _columns(recipe: Recipe) -> Iterator[str]:
+    written = {(part, c) for g in recipe.groups for part, cols in g.config.writes().items() for c in cols}
+    for g in recipe.groups:
+        for part, cols in g.config.reads().items():
+            for c in cols:
+                if (part, c) not in written:
+                    hint = PRODUCER_HINTS.get(c, "add a service that writes it")
+                    yield f"groups[{g.id!r}].config reads {part}.{c}, which no service writes: {hint}"

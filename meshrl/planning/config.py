@@ -1,0 +1,106 @@
+"""The base of every config in a recipe: a frozen keyword-only dataclass that checks itself when built.
+
+A config lists every problem of its own fields at once (`validate`), each as "field: what to change";
+fields typed `Literal[...]` are checked against their allowed values here, for every config, so no
+config repeats that check. A service's config also declares the columns it reads and writes and
+checks itself against the whole recipe (`check`), which the planner calls before anything starts.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from meshrl.planning.recipe import Recipe, ServiceGroup
+
+Columns = dict[str, tuple[str, ...]]  # partition -> column names
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run. The message lists every problem found, each naming its field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid recipe:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class Config:
+    """Mixin of every recipe dataclass: on construction, the Literal fields and `validate()`."""
+
+    def __post_init__(self) -> None:
+        problems = [*literal_problems(self), *self.validate()]
+        if problems:
+            raise RecipeError(problems)
+
+    def validate(self) -> Iterable[str]:
+        """Problems of this config's own fields, each "field: what is wrong / what to do"."""
+        return ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig(Config):
+    """Base of every service's config. A subclass names the class that runs it by import path."""
+
+    service: ClassVar[str] = ""  # "package.module:Class" of the Service subclass
+    stateful: ClassVar[bool] = False
+    """Takes part in checkpoints (saves its own state when the trainer asks; see
+    meshrl/state/checkpoint.py)."""
+    rejoins: ClassVar[bool] = False
+    """A replica restarted on its own re-joins the running run: it keeps no state of the run (a frozen
+    scorer; inference, which gets the current weights when it re-joins the weight group), or takes
+    over the state its predecessor wrote ahead of every change (rollout). Under an on-failure policy
+    its launcher restarts just that process, outside colocation rings; any other failure restarts the
+    whole run from a checkpoint."""
+
+    def reads(self) -> Columns:
+        """Columns this service consumes, per partition."""
+        return {}
+
+    def writes(self) -> Columns:
+        """Columns this service produces, per partition."""
+        return {}
+
+    def retention(self) -> Columns:
+        """Per partition, the consumers after whose acks a row is deleted (this service is terminal)."""
+        return {}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        """Problems of this config in the context of the whole recipe (paths, devices, rings, other
+        services). Each message names the field. Called by the planner before anything starts."""
+        return []
+
+
+def literal_problems(obj: Any) -> list[str]:
+    """A problem for every Literal-typed field of dataclass `obj` whose value is not allowed."""
+    return [
+        f"{name}: {getattr(obj, name)!r} is not one of {', '.join(map(repr, allowed))}"
+        for name, allowed in _literal_fields(type(obj))  # type: ignore[arg-type]
+        if getattr(obj, name) not in allowed
+    ]
+
+
+def literal_values(hint: Any) -> tuple[Any, ...] | None:
+    """The allowed values of a Literal type (or of Optional[Literal]: None included), else None."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [literal_values(a) if a is not type(None) else (None,) for a in typing.get_args(hint)]
+        if all(p is not None for p in parts):
+            return tuple(v for p in parts if p is not None for v in p)
+    return None
+
+
+@functools.cache
+def _literal_fields(cls: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        allowed = literal_values(hints[f.name])
+        if allowed is not None:
+            out.append((f.name, allowed))
+    return tuple(out)
