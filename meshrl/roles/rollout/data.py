@@ -51,6 +51,21 @@ def rule_rewards(
     return torch.tensor(out, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), failure
 
 
+def encode(tokenizer: Any, cfg: RolloutConfig, row: dict[str, Any]) -> torch.Tensor:
+    """The prompt's token ids: the row's `prompt_field`, through the chat template (as one user
+    message) when the config asks for it."""
+    text = str(row[cfg.prompt_field])
+    ids: Any
+    if cfg.chat_template:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return torch.tensor(list(ids), dtype=torch.int64)
+
+
 def load_rows(
     cfg: RolloutConfig, bad: list[str] | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -1,0 +1,149 @@
+"""Rollout's first job: feed prompts into `samples`, paced by the trainer's gate rows.
+
+Rollout writes `group_size` rows per prompt, one batch ahead of what the gates allow, each row tagged
+with `min_version`, the oldest weight version it may be generated with: for sample s of batch
+b = s // batch_size, `min_version = b - window + 1` (window 1 = lock-step, k = bounded staleness,
+None = never wait). Inference enforces it, so a row starts generating the moment its version lands,
+with no round trip through rollout, and after g gate rows at most (g - 1 + window) * batch_size
+samples have started.
+
+Every put carries an idempotency key and is recorded in the state before it is made, so a successor
+can repeat it blindly (the data plane applies a key once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshrl.dataplane import AsyncClient
+from meshrl.dataplane.protocol import Meta
+from meshrl.planning.recipe import Recipe
+from meshrl.roles import SAMPLES
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.state import RolloutState
+from meshrl.state.checkpoint import Pause
+
+Group = tuple[int, int, int, int]  # (group id, prompt index, epoch, min_version)
+
+log = logging.getLogger("meshrl.rollout")
+
+
+class Feed:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        recipe: Recipe,
+        state: RolloutState,
+        rows: list[dict[str, Any]],
+        encode: Callable[[dict[str, Any]], torch.Tensor],
+        *,
+        seed: int,
+        name: str,
+    ) -> None:
+        self.cfg, self.recipe, self.state = cfg, recipe, state
+        self.rows, self.encode, self.name = rows, encode, name
+        self.total = recipe.total_steps * recipe.batch_size
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        for _ in range(state.epoch + 1):  # this epoch's order: the same shuffles from the same seed
+            self.reshuffle()
+        self.changed = asyncio.Event()  # gates counted, or samples handed back: there may be room
+
+    def reshuffle(self) -> None:
+        self.order = list(range(len(self.rows)))
+        self.rng.shuffle(self.order)
+
+    # ---------------------------------------------------------------------------------------------------
+    # pacing
+
+    def allowed(self) -> int:
+        """Samples that may have started generating after the gates seen so far."""
+        window = self.cfg.window
+        if window is None:
+            return self.total
+        return min(self.total, max(0, self.state.gates - 1 + window) * self.recipe.batch_size)
+
+    def min_version(self, sample: int) -> int:
+        """Oldest weight version sample number `sample` may be generated with (enforced by inference)."""
+        window = self.cfg.window
+        return 0 if window is None else max(0, sample // self.recipe.batch_size - window + 1)
+
+    # ---------------------------------------------------------------------------------------------------
+
+    async def run(self, client: AsyncClient, pause: Pause, persist: Callable[[], None]) -> None:
+        """Write prompts one batch ahead of what the gates allow, forever (dynamic sampling can hand
+        back started samples after the last prompt was fed)."""
+        group, st = self.recipe.group_size, self.state
+        ahead = 0 if self.cfg.window is None else self.recipe.batch_size
+        while True:
+            room = min(self.total, self.allowed() + ahead) - st.started
+            if room < group:
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            async with pause.work():  # a checkpoint may pause us here
+                room = min(self.total, self.allowed() + ahead) - st.started
+                if room < group:
+                    continue
+                groups, tokens = self.draw(min(room // group, self.recipe.prompts_per_step))
+                st.started += len(groups) * group
+                key = f"{self.name}/feed/{groups[0][0]}"
+                st.pending[key] = {"kind": "feed", "groups": groups}
+                persist()
+                await self.put(client, key, groups, tokens)
+                del st.pending[key]
+
+    def draw(self, prompts: int) -> tuple[list[Group], dict[int, torch.Tensor]]:
+        """The next `prompts` groups and their prompts' tokens."""
+        st = self.state
+        groups: list[Group] = []
+        tokens: dict[int, torch.Tensor] = {}
+        while len(groups) < prompts:
+            index, tokens[index] = self.next_prompt()
+            st.group_seq += 1
+            # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
+            started = st.started + len(groups) * self.recipe.group_size
+            need = st.refill.pop(0) if st.refill else self.min_version(started)
+            groups.append((st.group_seq, index, st.epoch, need))
+        return groups, tokens
+
+    async def put(
+        self,
+        client: AsyncClient,
+        key: str,
+        groups: list[Group],
+        tokens: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """`group_size` rows per group into `samples`, under the idempotency key `key`."""
+        n = self.recipe.group_size
+        rows: list[torch.Tensor] = []
+        meta: list[Meta] = []
+        for group, index, epoch, need in groups:
+            rows += [tokens[index] if tokens else self.encode(self.rows[index])] * n
+            meta += [{"group": group, "member": k, "prompt_id": index, "epoch": epoch, "min_version": need}
+                     for k in range(n)]  # fmt: skip
+        await client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600, key=key)
+
+    def next_prompt(self) -> tuple[int, torch.Tensor]:
+        """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""
+        st = self.state
+        for _ in range(len(self.rows) + 1):
+            if st.cursor >= len(self.order):
+                self.reshuffle()
+                st.epoch += 1 if st.cursor else 0
+                st.cursor = 0
+            index = self.order[st.cursor]
+            st.cursor += 1
+            tokens = self.encode(self.rows[index])
+            if len(tokens) <= self.cfg.max_prompt_len:
+                return index, tokens
+            st.skipped += 1
+            if st.skipped <= 5:
+                log.warning("prompt %d skipped: %d tokens > max_prompt_len", index, len(tokens))
+        raise RuntimeError(f"no prompt of the dataset fits max_prompt_len={self.cfg.max_prompt_len}")

@@ -1,0 +1,244 @@
+"""Rollout's second job: score completed groups and write their advantages.
+
+Rollout claims whole groups of `samples` once every column its reward and advantage need is there,
+computes the reward trained on (weighted rule reward + weighted reward-model score + DAPO's overlong
+penalty, minus an optional KL(behaviour || reference) penalty) and the advantages, and writes `reward`,
+`advantage`, `valid` (+ `returns` for GAE from a critic; `token_rewards` instead for the trainer's value
+head) into the same rows. Estimators normalised over the batch (REINFORCE++, whitened GAE) score a
+whole batch at once, so their statistics do not depend on which groups happened to be ready together.
+
+DAPO's dynamic sampling deletes groups whose rewards all agree and hands their places back to the
+feed, with the same `min_version`. A reward function that raises marks that sample failed (valid =
+False, excluded from the loss); more than `max_failed_fraction` failures, or dynamic sampling that
+drops more than `max_filtered_fraction` of the groups, stop the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshrl.algorithms import advantages as adv
+from meshrl.algorithms import filters
+from meshrl.algorithms.losses import AdaptiveKL, kl
+from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.planning.recipe import Recipe
+from meshrl.roles import SAMPLES
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.data import RewardFn, rule_rewards
+from meshrl.roles.rollout.state import RolloutState
+from meshrl.roles.scorer import put_missing_async
+from meshrl.runtime.service import WATCH_S
+from meshrl.state.checkpoint import Pause
+
+log = logging.getLogger("meshrl.rollout")
+
+
+class Rewards:
+    """The rule reward of completions (also what evaluation measures); the first failure is kept."""
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn | None, prompt_field: str) -> None:
+        self.tokenizer, self.reward_fn, self.prompt_field = tokenizer, reward_fn, prompt_field
+        self.first_failure: str | None = None
+
+    def __call__(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.reward_fn is None:  # no rule: evaluation has nothing to measure
+            return torch.zeros(len(batch), dtype=torch.float32), torch.ones(len(batch), dtype=torch.bool)
+        reward, valid, failure = rule_rewards(self.tokenizer, self.reward_fn, self.prompt_field, batch, rows)
+        if failure is not None and self.first_failure is None:
+            self.first_failure = failure
+            log.error("reward function failed %s", failure)
+        return reward, valid
+
+
+class Scoring:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        recipe: Recipe,
+        state: RolloutState,
+        rewards: Rewards,
+        rows: list[dict[str, Any]],
+        on_refill: Callable[[], None],
+    ) -> None:
+        self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
+        self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
+        self.kl = AdaptiveKL(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.kl_measured = 0.0
+
+    async def run(
+        self, client: AsyncClient, pause: Pause, persist: Callable[[], None], after: Callable[[], None]
+    ) -> None:
+        """Claim and score forever; `persist` before the effects, `after` each scored claim."""
+        cfg, batch_size = self.cfg, self.recipe.batch_size
+        whole = cfg.advantage == "reinforce_pp" or (
+            cfg.advantage == "gae" and cfg.values == "critic" and cfg.whiten
+        )
+        while True:
+            batch = await client.claim(
+                SAMPLES, "rollout", list(cfg.score_columns()), batch_size, min_n=batch_size if whole else 1,
+                group_size=self.recipe.group_size, timeout=WATCH_S, lease=600,
+            )  # fmt: skip
+            if not batch:
+                continue
+            async with pause.work():
+                if await self.score(client, batch, persist):
+                    self.check_filtered()
+                after()
+                self.check_failed()
+
+    async def score(self, client: AsyncClient, batch: Batch, persist: Callable[[], None]) -> bool:
+        """Count, persist, then write the columns of the kept rows, delete the dropped ones, acknowledge.
+        Returns whether dynamic sampling dropped groups."""
+        st = self.state
+        reward, valid = self.total_rewards(batch)
+        groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
+        keep = torch.ones(len(batch), dtype=torch.bool)
+        if self.cfg.dynamic_sampling:
+            keep = filters.groups_with_signal(reward, groups, valid)
+        # in (group, member) order: the trainer's groups become ready in the order of this put, so its
+        # mini-batches do not depend on which service finished a row last
+        members = torch.tensor(batch.meta_of("member", 0), dtype=torch.int64)
+        index = keep.nonzero().squeeze(-1)
+        index = index[torch.argsort(groups[index] * 65536 + members[index], stable=True)]
+        out = self.advantages(batch, index, reward[index], groups[index], valid[index]) if len(index) else {}
+        # counted here, before the effects: rows of groups a predecessor counted are only finished
+        new = torch.tensor([int(g) not in st.replay for g in groups.tolist()], dtype=torch.bool)
+        st.failed += int((~valid & new).sum())
+        st.handling = set(groups.tolist())
+        st.replay -= st.handling
+        drop = ~keep & new
+        dropped = batch.ids[(~keep).numpy()]
+        if bool(drop.any()):  # DAPO: no signal in these groups; the feed draws new prompts in their place
+            needs = batch.meta_of("min_version", 0)
+            lost = {int(groups[i]): int(needs[i] or 0) for i in drop.nonzero().squeeze(-1).tolist()}
+            st.refill += list(lost.values())
+            st.filtered += int(drop.sum())
+            st.started -= int(drop.sum())
+            self.on_refill()
+        st.scored += int((keep & new).sum())
+        st.kl_coef = self.kl.coef
+        persist()
+        if len(index):
+            await put_missing_async(client, SAMPLES, out, batch.ids[index.numpy()])
+        # delete before the ack: a process killed in between gets the rows back (a successor deletes
+        # them again), never rows acknowledged but left behind
+        if len(dropped):
+            await client.delete(SAMPLES, dropped)
+        await client.ack(batch)
+        st.handling = set()
+        return bool(drop.any())
+
+    def check_filtered(self) -> None:
+        """Stop the run when dynamic sampling drops nearly every group."""
+        cfg, st = self.cfg, self.state
+        drawn = st.scored + st.filtered
+        if drawn >= 4 * self.recipe.batch_size and st.filtered > cfg.max_filtered_fraction * drawn:
+            raise RuntimeError(
+                f"dynamic sampling dropped {st.filtered} of {drawn} samples (max_filtered_fraction="
+                f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
+            )
+
+    def check_failed(self) -> None:
+        """Stop the run when more than max_failed_fraction of the samples could not be scored."""
+        cfg, st = self.cfg, self.state
+        if st.scored >= 4 * self.recipe.group_size and st.failed > cfg.max_failed_fraction * st.scored:
+            raise RuntimeError(
+                f"{st.failed} of {st.scored} samples could not be scored (max_failed_fraction="
+                f"{cfg.max_failed_fraction}); first failure:\n{self.rewards.first_failure}"
+            )
+
+    def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward trained on: weighted rule reward + weighted reward-model score + overlong penalty."""
+        cfg = self.cfg
+        reward = torch.zeros(len(batch), dtype=torch.float32)
+        valid = torch.ones(len(batch), dtype=torch.bool)
+        if cfg.reward_weight > 0:
+            rule, valid = self.rewards(batch, self.rows)
+            reward += cfg.reward_weight * rule
+        if cfg.rm_weight > 0:
+            reward += cfg.rm_weight * batch.tensor("rm_score").float()
+        if cfg.overlong_max_len is not None:
+            lengths = batch.ragged("response").lengths
+            reward += filters.overlong_penalty(
+                lengths,
+                max_len=cfg.overlong_max_len,
+                buffer=cfg.overlong_buffer,
+                penalty=cfg.overlong_penalty,
+            )
+        return reward, valid
+
+    def advantages(
+        self,
+        batch: Batch,
+        index: torch.Tensor,
+        reward: torch.Tensor,
+        groups: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> dict[str, Any]:
+        """Columns `reward`, `advantage`, `valid` (and `returns` for gae) for rows `index` of `batch`."""
+        cfg = self.cfg
+        pick = index.tolist()
+        lengths = batch.ragged("response").lengths[index]
+        width = int(lengths.max()) if len(lengths) else 0
+        mask = (torch.arange(width)[None, :] < lengths[:, None]) & valid[:, None]
+
+        def padded(name: str) -> torch.Tensor:
+            return Ragged.from_list([batch.ragged(name)[i] for i in pick], dtype=torch.float32).padded()[0]
+
+        penalty = None
+        if cfg.kl_in_reward > 0:
+            per_token = torch.where(
+                mask, kl(padded("logprobs"), padded("ref_logprobs"), cfg.kl_estimator), 0.0
+            )
+            per_sample = per_token.sum(1)
+            penalty = self.kl.coef * per_token
+            n = int(valid.sum())
+            self.kl_measured = float(per_sample[valid].mean()) if n else 0.0
+            self.kl.update(self.kl_measured, n)
+        out: dict[str, Any] = {"valid": valid}
+        if cfg.advantage == "gae":
+            return {**out, **self._gae(reward, mask, penalty, lengths, padded)}
+        if penalty is not None:
+            reward = reward - penalty.sum(1)
+        out["reward"] = reward
+        out["advantage"] = outcome_advantages(cfg, reward, groups, valid)
+        return out
+
+    def _gae(
+        self,
+        reward: torch.Tensor,
+        mask: torch.Tensor,
+        penalty: torch.Tensor | None,
+        lengths: torch.Tensor,
+        padded: Callable[[str], torch.Tensor],
+    ) -> dict[str, Any]:
+        cfg = self.cfg
+        rewards = adv.token_rewards(reward, mask, penalty)
+        rows = range(len(lengths))
+        if cfg.values == "trainer":  # its value head: the trainer computes the advantages
+            return {"reward": reward, "token_rewards": [rewards[k, : lengths[k]] for k in rows]}
+        advantage, returns = adv.gae(rewards, padded("values"), mask, gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.whiten:
+            advantage = adv.whiten(advantage, mask)
+        return {
+            "reward": reward,
+            "advantage": [advantage[k, : lengths[k]] for k in rows],
+            "returns": [returns[k, : lengths[k]] for k in rows],
+        }
+
+
+def outcome_advantages(
+    cfg: RolloutConfig, reward: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """One advantage per sample from its (penalised) reward, by the config's estimator."""
+    if cfg.advantage == "grpo":
+        return adv.grpo(reward, groups, valid, scale=cfg.normalize_std)
+    if cfg.advantage == "dr_grpo":
+        return adv.dr_grpo(reward, groups, valid)
+    if cfg.advantage == "rloo":
+        return adv.rloo(reward, groups, valid)
+    return adv.reinforce_pp(reward, valid)
