@@ -158,8 +158,9 @@ class FSDPEngine:
         sample was generated with); "decoupled" clips current / proximal, where the proximal policy is
         the weights at the start of this step (`snapshot`; for samples generated with exactly those, the
         behaviour logprobs), and weights each token by min(proximal / behaviour, cfg.is_cap); "tis" is
-        truncated-importance-weighted REINFORCE against the behaviour policy. Returns metrics averaged over epochs (timings summed); an epoch
-        with a non-finite loss or gradient is skipped and counted in `nan_skipped`.
+        truncated-importance-weighted REINFORCE against the behaviour policy (`objective.policy_loss`).
+        Returns metrics averaged over epochs (timings summed); an epoch with a non-finite loss or
+        gradient is skipped and counted in `nan_skipped`.
         """
         order = torch.argsort(batch.attention_mask.sum(1), descending=True)
         chunks = list(order.split(cfg.micro_batch))
