@@ -4,7 +4,12 @@ One engine, many algorithms: `update_policy(batch, cfg)` runs the step the confi
 GSPO, token or sequence aggregation, entropy bonus, KL to a reference), with gradient accumulation over
 micro-batches and loss normalisation over the whole step across every data-parallel rank. It works on
 CPU (gloo) and GPU (NCCL). With one rank the model is not wrapped at all (FSDP's hooks would be pure
-overhead) and AdamW runs fused.
+overhead) and AdamW runs fused. The same engine with `head="value"` is the critic (`update_value`).
+
+Here: the model's set-up (loading, the value head, FSDP wrapping, the optimizer), the forwards, the
+micro-batch loop of each optimizer step and the step itself. Beside it: what a step minimises and
+reports (`objective.py`), the full tensors gathered for publication (`gather.py`), and the model on disk
+(`checkpoints.py`).
 
 `get_weights()` yields full (unsharded) tensors in `manifest()` order; every rank must iterate it (the
 gather is collective) and only rank 0 keeps what it yields.
@@ -12,37 +17,25 @@ gather is collective) and only rank 0 keeps what it yields.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshrl.algorithms.distill import topk_forward_kl
-from meshrl.algorithms.losses import (
-    aggregate,
-    decoupled_ppo,
-    entropy,
-    gspo,
-    kl,
-    ppo_clip,
-    tis,
-    token_logprobs,
-    value_loss,
-)
+from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
+from meshrl.engines import checkpoints
+from meshrl.engines.gather import full_tensors
+from meshrl.engines.objective import PolicyObjective, over_epochs, value_terms
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import TrainBatch
 
 HEADS = ("lm", "value", "lm+value")
-VALUE_HEAD_FILE = "value_head.safetensors"
-"""The actor-critic's value head, saved next to the policy's HF checkpoint (which loads without it)."""
 
 
 class FSDPEngine:
@@ -62,9 +55,10 @@ class FSDPEngine:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
         `model_path` is a causal LM); "lm+value": a shared-backbone actor-critic, the policy with a
-        linear value head on its last hidden state (`model.value_head`, loaded from VALUE_HEAD_FILE in
-        `model_path` when there is one, else zero: every value starts at 0). `temperature`: the policy's
-        log-probabilities are taken under logits / temperature, the distribution inference samples."""
+        linear value head on its last hidden state (`model.value_head`, loaded from
+        `checkpoints.VALUE_HEAD_FILE` in `model_path` when there is one, else zero: every value starts
+        at 0). `temperature`: the policy's log-probabilities are taken under logits / temperature, the
+        distribution inference samples."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -91,7 +85,7 @@ class FSDPEngine:
         # values need the last hidden state, not the logits: most HF models can skip all but one
         self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         if head == "lm+value":
-            model.value_head = _value_head(model, model_path)
+            model.value_head = checkpoints.value_head(model, model_path)
         model.to(device)
         if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
@@ -167,8 +161,9 @@ class FSDPEngine:
         sample was generated with); "decoupled" clips current / proximal, where the proximal policy is
         the weights at the start of this step (`snapshot`; for samples generated with exactly those, the
         behaviour logprobs), and weights each token by min(proximal / behaviour, cfg.is_cap); "tis" is
-        truncated-importance-weighted REINFORCE against the behaviour policy. Returns metrics averaged over epochs (timings summed); an epoch
-        with a non-finite loss or gradient is skipped and counted in `nan_skipped`.
+        truncated-importance-weighted REINFORCE against the behaviour policy (`objective.policy_loss`).
+        Returns metrics averaged over epochs (timings summed); an epoch with a non-finite loss or
+        gradient is skipped and counted in `nan_skipped`.
         """
         order = torch.argsort(batch.attention_mask.sum(1), descending=True)
         chunks = list(order.split(cfg.micro_batch))
@@ -176,32 +171,24 @@ class FSDPEngine:
             [self._proximal(batch.rows(c), cfg) for c in chunks] if cfg.off_policy == "decoupled" else []
         )
         results = [self._epoch(batch, chunks, proximal, cfg) for _ in range(cfg.epochs)]
-        out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
-        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
-            out[key] = sum(r[key] for r in results)
+        out = over_epochs(results)
         out["ratio_max"] = max(r["ratio_max"] for r in results)
         return out
 
     def _epoch(
         self, batch: TrainBatch, chunks: list[torch.Tensor], proximal: list[torch.Tensor], cfg: Any
     ) -> dict[str, float]:
-        """One optimizer step on `batch`, accumulating gradients over micro-batches."""
+        """One optimizer step on `batch`, accumulating gradients over micro-batches (`PolicyObjective`)."""
         t0 = time.perf_counter()
         tokens, rows = float(batch.mask.sum()), float((batch.mask.sum(1) > 0).sum())
         g_tokens, g_rows, g_n = self.all_sum([tokens, rows, float(len(batch))])
-        normalizer = g_tokens if cfg.loss_agg == "token-mean" else g_n
+        both = self.head == "lm+value"
+        objective = PolicyObjective(
+            batch, cfg, self.device, value_head=both, temperature=self.temperature, g_tokens=g_tokens,
+            g_rows=g_rows, g_n=g_n,
+        )  # fmt: skip
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
         n_chunks = int(self._max([len(chunks)]))
-        keys = ("pg_loss", "entropy", "kl_ref", "kl_behaviour", "clip_fraction", "approx_kl")
-        sums = dict.fromkeys(keys, 0.0)
-        sums.update(is_weight_mean=0.0, is_truncated_fraction=0.0)
-        if self.head == "lm+value" and batch.returns is not None:
-            sums.update(value_loss=0.0, value_clip_fraction=0.0, values_mean=0.0)
-        if batch.teachers:  # forward KL to each teacher's top-k, top-1 agreement, reverse KL
-            sums["distill_loss"] = 0.0
-            for name in sorted(batch.teachers):
-                sums.update({f"{name}_kl": 0.0, f"{name}_agreement": 0.0, f"{name}_reverse_kl": 0.0})
-        ratio_max = is_max = 0.0
         for k in range(n_chunks):
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(k == n_chunks - 1)
@@ -209,75 +196,16 @@ class FSDPEngine:
             if k >= len(chunks):
                 mb.mask = torch.zeros_like(mb.mask)
             mask = mb.mask.to(self.device)
-            lp, ent, logits, values = self._policy_forward(mb, self.temperature)
+            forward = self._policy_forward(mb, self.temperature)
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
-            out = self._policy_loss(
-                lp, prox, behaviour, mb.advantages.to(self.device), mask, cfg, normalizer, g_rows
-            )
-            ent_term = aggregate(ent, mask, cfg.loss_agg, normalizer)
-            loss = out.loss - cfg.entropy_coef * ent_term
-            if mb.ref_logprobs is not None:
-                kl_ref = kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator)
-                kl_term = aggregate(kl_ref, mask, cfg.loss_agg, normalizer)
-                if cfg.kl_coef > 0:
-                    loss = loss + cfg.kl_coef * kl_term
-                sums["kl_ref"] += float(kl_term.detach())
-            if values is not None and mb.returns is not None and mb.values is not None:
-                v_loss, v_metrics = value_loss(
-                    values, mb.values.to(self.device), mb.returns.to(self.device), mask, clip=cfg.value_clip,
-                    normalizer=max(g_tokens, 1.0),
-                )  # fmt: skip
-                loss = loss + cfg.value_coef * v_loss
-                weight = float(mask.sum()) / max(g_tokens, 1.0)
-                sums["value_loss"] += float(v_loss.detach())
-                sums["value_clip_fraction"] += v_metrics["value_clip_fraction"] * weight
-                sums["values_mean"] += float(torch.where(mask, values.detach(), 0.0).sum()) / max(
-                    g_tokens, 1.0
-                )
-            for name, (top_ids, top_lp, sampled) in mb.teachers.items():
-                d_loss, per = topk_forward_kl(
-                    logits, top_ids.to(self.device), top_lp.to(self.device), mask, temperature=self.temperature,
-                    floor=cfg.distill_floor, aggregation=cfg.loss_agg, normalizer=normalizer,
-                )  # fmt: skip
-                if cfg.distill_coef > 0:
-                    loss = loss + cfg.distill_coef * cfg.teachers[name] * d_loss
-                with torch.no_grad():
-                    reverse = torch.where(mask, lp.detach() - sampled.to(self.device), 0.0).sum()
-                    sums["distill_loss"] += cfg.teachers[name] * float(d_loss.detach())
-                    sums[f"{name}_kl"] += float(per["kl"].sum()) / max(g_tokens, 1.0)
-                    sums[f"{name}_agreement"] += float(per["agree"].sum()) / max(g_tokens, 1.0)
-                    sums[f"{name}_reverse_kl"] += float(reverse) / max(g_tokens, 1.0)
-            loss.backward()
-            weight = float(mask.sum()) / max(g_tokens, 1.0)
-            with torch.no_grad():
-                k3 = kl(lp.detach(), behaviour, "k3")
-                sums["kl_behaviour"] += float(torch.where(mask, k3, 0.0).sum()) / max(g_tokens, 1.0)
-            sums["pg_loss"] += float(out.loss.detach())
-            sums["entropy"] += float(ent_term.detach())
-            for key in ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction"):
-                sums[key] += out.metrics.get(key, 0.0) * weight
-            ratio_max = max(ratio_max, out.metrics.get("ratio_max", 0.0))
-            is_max = max(is_max, out.metrics.get("is_weight_max", 0.0))
+            objective.backward(mb, forward, prox, behaviour, mask)
         t1 = time.perf_counter()
-        reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
-        total = (reduced["pg_loss"] + reduced["kl_ref"] + reduced.get("distill_loss", 0.0)
-                 + reduced.get("value_loss", 0.0))  # fmt: skip
-        step = self._step(loss_finite=math.isfinite(total))
+        reduced = dict(zip(objective.sums, self.all_sum(list(objective.sums.values())), strict=True))
+        step = self._step(loss_finite=objective.finite(reduced))
         t2 = time.perf_counter()
-        if cfg.off_policy == "none":
-            for key in ("is_weight_mean", "is_truncated_fraction"):
-                del reduced[key]
-        else:
-            reduced["is_weight_max"] = self._max([is_max])
         return {
-            **reduced,
-            "loss": reduced["pg_loss"]
-            - cfg.entropy_coef * reduced["entropy"]
-            + cfg.kl_coef * reduced["kl_ref"]
-            + (cfg.distill_coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0)
-            + (cfg.value_coef * reduced["value_loss"] if "value_loss" in reduced else 0.0),
-            "ratio_max": self._max([ratio_max]),
+            **objective.metrics(reduced, self._max),
             **step,
             "time/forward_backward_s": t1 - t0,
             "time/optimizer_s": t2 - t1,
@@ -327,26 +255,16 @@ class FSDPEngine:
                     self.model.set_requires_gradient_sync(k == n_chunks - 1)
                 mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
                 mask = mb.mask.to(self.device) & (k < len(chunks))
-                v = self.forward_values(mb)
-                assert mb.values is not None and mb.returns is not None
-                loss, metrics = value_loss(
-                    v, mb.values.to(self.device), mb.returns.to(self.device), mask, clip=cfg.value_clip,
-                    normalizer=max(g_tokens, 1.0),
-                )  # fmt: skip
+                loss, shares = value_terms(self.forward_values(mb), mb, mask, cfg.value_clip, g_tokens)
                 loss.backward()
-                weight = float(mask.sum()) / max(g_tokens, 1.0)
-                sums["value_loss"] += float(loss.detach())
-                sums["value_clip_fraction"] += metrics["value_clip_fraction"] * weight
-                sums["values_mean"] += float(torch.where(mask, v.detach(), 0.0).sum()) / max(g_tokens, 1.0)
+                for key, share in shares.items():
+                    sums[key] += share
             reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
             t1 = time.perf_counter()
             step = self._step(loss_finite=math.isfinite(reduced["value_loss"]))
             results.append({**reduced, **step, "time/forward_backward_s": t1 - t0})
             results[-1]["time/optimizer_s"] = time.perf_counter() - t1
-        out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
-        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
-            out[key] = sum(r[key] for r in results)
-        return out
+        return over_epochs(results)
 
     def _step(self, *, loss_finite: bool) -> dict[str, float]:
         """Clip gradients and take an optimizer step unless the loss or gradients are not finite."""
@@ -404,34 +322,6 @@ class FSDPEngine:
         stale = mb.stale.to(self.device).unsqueeze(-1)
         return torch.where(stale, lp.detach(), behaviour)
 
-    @staticmethod
-    def _policy_loss(
-        lp: torch.Tensor,
-        proximal: torch.Tensor,
-        behaviour: torch.Tensor,
-        adv: torch.Tensor,
-        mask: torch.Tensor,
-        cfg: Any,
-        normalizer: float,
-        g_rows: float,
-    ) -> Any:
-        if cfg.policy_loss == "gspo":
-            old = behaviour if cfg.off_policy == "none" else proximal
-            return gspo(lp, old, adv, mask, normalizer=g_rows)
-        if cfg.off_policy == "decoupled":
-            return decoupled_ppo(
-                lp, proximal, behaviour, adv, mask, cap=cfg.is_cap, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                dual_clip=cfg.dual_clip, aggregation=cfg.loss_agg, normalizer=normalizer,
-            )  # fmt: skip
-        if cfg.off_policy == "tis":
-            return tis(
-                lp, behaviour, adv, mask, cap=cfg.is_cap, aggregation=cfg.loss_agg, normalizer=normalizer
-            )
-        return ppo_clip(
-            lp, behaviour, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-            aggregation=cfg.loss_agg, normalizer=normalizer,
-        )  # fmt: skip
-
     def _max(self, values: list[float]) -> float:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
@@ -450,106 +340,27 @@ class FSDPEngine:
         return list(self._manifest)
 
     def get_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
-        """Full tensors in manifest order (collective: every rank iterates it).
-
-        Shards are gathered one bucket of parameters at a time with a single all-gather each, so the
-        cost is a few collectives per model rather than one per parameter, and memory stays bounded.
-        """
-        params = [p for _, p in self._policy_parameters()]
-        with torch.no_grad():
-            if self.world == 1:
-                for p in params:
-                    yield (p.to_local() if hasattr(p, "to_local") else p).detach()
-                return
-            bucket: list[torch.Tensor] = []
-            size = 0
-            for p in params:
-                if bucket and (
-                    size + p.numel() * p.element_size() > bucket_bytes or p.dtype != bucket[0].dtype
-                ):
-                    yield from self._gather(bucket)
-                    bucket, size = [], 0
-                bucket.append(p)
-                size += p.numel() * p.element_size()
-            if bucket:
-                yield from self._gather(bucket)
-
-    def _gather(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Full tensors of dim-0-sharded parameters (torch.chunk layout) with one all-gather."""
-        world = self.world
-        pieces, layout = [], []
-        for p in params:
-            local = p.to_local()  # type: ignore[attr-defined]
-            chunk = -(-p.shape[0] // world)
-            padded = torch.zeros((chunk, *p.shape[1:]), dtype=p.dtype, device=local.device)
-            padded[: local.shape[0]] = local
-            pieces.append(padded.reshape(-1))
-            layout.append((p.shape, chunk))
-        flat = torch.cat(pieces)
-        out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(out, flat)
-        grid = out.view(world, -1)
-        full, offset = [], 0
-        for shape, chunk in layout:
-            n = chunk * math.prod(shape[1:])
-            full.append(grid[:, offset : offset + n].reshape(world * chunk, *shape[1:])[: shape[0]])
-            offset += n
-        return full
+        """Full tensors in manifest order (collective: every rank iterates it), gathered a bucket of
+        parameters at a time (`gather.full_tensors`)."""
+        yield from full_tensors([p for _, p in self._policy_parameters()], self.world, bucket_bytes)
 
     def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
         """A Hugging Face checkpoint that from_pretrained loads (collective; rank 0 writes)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if dist.is_initialized():
-            state = get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        else:
-            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        if self.rank == 0:
-            from safetensors.torch import save_file
-            from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
-
-            head: dict[str, Any] = {
-                k.removeprefix("value_head."): state.pop(k)
-                for k in list(state)
-                if k.startswith("value_head.")
-            }
-            auto = AutoModelForTokenClassification if self.head == "value" else AutoModelForCausalLM
-            with torch.device("meta"):
-                shell = auto.from_config(self.hf_config)
-            shell.load_state_dict(state, assign=True)
-            shell.tie_weights()
-            shell.config.use_cache = True
-            shell.save_pretrained(path)
-            if head:
-                save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, VALUE_HEAD_FILE))
-            if tokenizer_from is not None:
-                AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+        critic = self.head == "value"
+        checkpoints.save_pretrained(
+            self.model, self.hf_config, path, critic=critic, rank=self.rank, tokenizer_from=tokenizer_from
+        )
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and step count, sharded as trained (torch.distributed.checkpoint; collective).
 
         Every rank writes its own shards into the directory `path`; `load_checkpoint` reads them back on
         any number of ranks (resharding as needed)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optim = get_state_dict(self.model, self.optimizer)
-        with _single_process_ok():
-            dcp.save({"model": model, "optim": optim, "steps": torch.tensor(self.steps)}, checkpoint_id=path)
+        checkpoints.save_sharded(self.model, self.optimizer, self.steps, path)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what `save_checkpoint` wrote (collective)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model, optim = get_state_dict(self.model, self.optimizer)
-        steps = torch.tensor(0)
-        with _single_process_ok():
-            dcp.load({"model": model, "optim": optim, "steps": steps}, checkpoint_id=path)  # in place
-        set_state_dict(self.model, self.optimizer, model_state_dict=model, optim_state_dict=optim)
-        self.steps = int(steps)
+        self.steps = checkpoints.load_sharded(self.model, self.optimizer, path)
         self._set_lr()
 
     def continue_schedule(self, steps: int) -> None:
@@ -557,14 +368,6 @@ class FSDPEngine:
         checkpoint by a service that re-joins a run past it)."""
         self.steps = steps
         self._set_lr()
-
-
-@contextlib.contextmanager
-def _single_process_ok() -> Iterator[None]:
-    """torch.distributed.checkpoint warns when there is no process group; one rank needs none."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -578,23 +381,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     return []
-
-
-def _value_head(model: Any, model_path: str) -> torch.nn.Linear:
-    """A linear value head on `model`'s last hidden state, in the model's dtype: saved weights when
-    `model_path` has them, else zero."""
-    hidden = model.config.get_text_config().hidden_size
-    dtype = next(model.parameters()).dtype
-    head = torch.nn.Linear(hidden, 1, dtype=dtype)
-    saved = os.path.join(model_path, VALUE_HEAD_FILE)
-    if os.path.exists(saved):
-        from safetensors.torch import load_file
-
-        head.load_state_dict(load_file(saved))
-    else:
-        torch.nn.init.zeros_(head.weight)
-        torch.nn.init.zeros_(head.bias)
-    return head
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from meshrl.dataplane.shm import Segment
-from meshrl.runtime.weights import Header, broadcast_from_trainer, incoming, process_group, reader
+from meshrl.runtime.weights import broadcast_from_trainer, process_group
+from meshrl.runtime.weights_packing import Header, incoming, reader
 
 
 class WeightReceiver:

@@ -6,16 +6,16 @@ trainer's weight port, so it lives beside the trainer's FSDP group without touch
 
 One publication: an announcement in the store (`pub/<n>`: version, the group's epoch, and the JSON
 manifest of names, shapes, dtypes and bucket sizes), then the tensors packed into byte buckets of at
-most `bucket_bytes` each, broadcast, so memory stays bounded whatever the model size. When every
-receiver shares the trainer's host (CPU), the tensors go through one shared-memory segment instead:
-the trainer fills it, the announcement names it, receivers copy from their mapping (about 3x faster
-than gloo on loopback for a 4 MiB model), and the barrier goes through the store as well (each
-receiver counts itself in; no process group at all, which matters with dozens of replicas on few
-cores). A final barrier
-tells the trainer that every replica has applied the version before it opens the gate (and, with
-shared memory, that the segment may be written again). Receivers sit
-in `wait()` on a thread of their own, woken by the store the moment an announcement is written: no
-polling. `close()` announces version -1 at the end of training.
+most `bucket_bytes` each (`weights_packing.py`: the layout), broadcast, so memory stays bounded
+whatever the model size. When every receiver shares the trainer's host (CPU), the tensors go through
+one shared-memory segment instead and the barrier through the store (`weights_shm.py`). A final
+barrier tells the trainer that every replica has applied the version before it opens the gate (and,
+with shared memory, that the segment may be written again). Receivers sit in `wait()` on a thread of
+their own, woken by the store the moment an announcement is written: no polling. `close()` announces
+version -1 at the end of training.
+
+This module is the group: its store, the announcements, the epochs and their process groups, re-joins
+and the failures of members.
 
 A replica that dies and is restarted re-joins: the new process finds the group already formed, asks to
 join through the store (`join/<k>`), and the trainer re-forms the group in a new epoch (every member
@@ -31,26 +31,29 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
-from meshrl.dataplane.shm import Segment
+from meshrl.runtime.weights_packing import (
+    WHOLE,
+    Header,
+    Manifest,
+    buckets,
+    incoming,
+    layout,
+    one_thread,
+    pack,
+    reader,
+)
+from meshrl.runtime.weights_shm import SharedWeights, store_barrier
 
 log = logging.getLogger("meshrl.runtime.weights")
-Manifest = list[tuple[str, tuple[int, ...], str]]
-Header = dict[str, Any]  # an announcement: version, epoch, tensors, buckets
-ALIGN = 8  # byte alignment of each run of one dtype in a bucket
-WHOLE = 1 << 62  # bucket bytes meaning "everything in one bucket" (shared memory)
 POLL = timedelta(minutes=10)  # a store wait that times out logs a warning: wait long, then again
-BARRIER_POLL = timedelta(seconds=2)  # how often the trainer looks for a replica re-joining meanwhile
 
 
 class GroupBroken(RuntimeError):
@@ -96,7 +99,7 @@ class WeightGroup:
         self.host, self.port = host, port
         self.member = member
         self.shm = shm
-        self.segment: Segment | None = None
+        self.memory = SharedWeights(shm)  # the segment: rank 0's to fill, a receiver's mapping
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
@@ -167,31 +170,18 @@ class WeightGroup:
 
     def _barrier(self) -> None:
         """Every member has got this far (a broadcast would only tell the root that it sent). With shared
-        memory, through the store: each receiver counts itself in, the last one says so, and the
-        trainer waits for that, giving up when a restarted replica asks to join (the one missing)."""
+        memory, through the store (`store_barrier`), where the trainer gives up when a restarted replica
+        asks to join (the one missing)."""
         if not self.shared:
             member = self.member
             self._collective(member.barrier if member is not None else lambda: self.pg.barrier().wait())
             return
         n = self.published
-        if self.rank != 0:
-            if self.store.add(f"done/{n}", 1) == self.world_size - 1:
-                self.store.set(f"all/{n}", "1")
-            return
-        waited = timedelta()
-        while True:
-            try:
-                self.store.wait([f"all/{n}"], BARRIER_POLL)
-                return
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    raise
-            waited += BARRIER_POLL
-            if self.rejoin_pending():
-                self._drop()
-                raise GroupBroken(f"a receiver of publication {n} is gone (its restart asks to join)")
-            if waited > self.timeout:
-                raise TimeoutError(f"weight publication {n}: a receiver did not apply it in {waited}")
+        if not store_barrier(
+            self.store, n, self.rank, self.world_size, gone=self.rejoin_pending, timeout=self.timeout
+        ):
+            self._drop()
+            raise GroupBroken(f"a receiver of publication {n} is gone (its restart asks to join)")
 
     # ---------------------------------------------------------------------------------------------------
     # rank 0: publishing
@@ -223,17 +213,14 @@ class WeightGroup:
         assert self.rank == 0 and self.pending is None
         if self.shm is not None:  # one segment holds the whole version: one bucket
             bucket_bytes = WHOLE
-        plan = _buckets(manifest, bucket_bytes)
         joining = self.store.add("joins", 0)
         if not self.formed or joining > self.joins:  # a member re-joins (or the last epoch broke)
             self._next_epoch(joining)
-        header: Header = {"version": version, "epoch": self.epoch, "tensors": manifest,
-                          "bucket_bytes": bucket_bytes, "buckets": [b[0] for b in plan]}  # fmt: skip
+        header: Header = {"version": version, "epoch": self.epoch, **layout(manifest, bucket_bytes)}
         if self.shm is not None:  # every receiver reads the segment: fill it, then announce
             if tensors is not None:
                 self.stage(manifest, tensors)
-            assert self.segment is not None, "nothing staged"
-            header["shm"] = str(self.segment.path)
+            header["shm"] = self.memory.path()
             tensors = None
         self._announce(header)
         self.pending = (header, bucket_bytes, tensors)
@@ -243,10 +230,10 @@ class WeightGroup:
         (no publication may be in flight). They may change once this returns. Call it from the thread
         that computes: the copies run on one thread (`one_thread`)."""
         assert self.rank == 0 and self.pending is None
-        ((size, members),) = _buckets(manifest, WHOLE)
-        out = self._shared(size)
+        ((size, members),) = buckets(manifest, WHOLE)
+        out = self.memory.staging(size, self.epoch)
         with one_thread():
-            _pack(manifest, tensors, members, out)
+            pack(manifest, tensors, members, out)
 
     def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
         """Rank 0: the rest of the posted publication (the broadcast, the barrier). Returns the bytes.
@@ -256,7 +243,7 @@ class WeightGroup:
         while True:
             assert self.pending is not None
             header, bucket_bytes, tensors = self.pending
-            plan = _buckets(header["tensors"], header["bucket_bytes"])
+            plan = buckets(header["tensors"], header["bucket_bytes"])
             try:
                 if not self.formed:
                     self._form(self.epoch)
@@ -264,7 +251,7 @@ class WeightGroup:
                     manifest = header["tensors"]
                     for size, members in plan:
                         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-                        _pack(manifest, tensors, members, buf)
+                        pack(manifest, tensors, members, buf)
                         self._broadcast(buf)
                 self._barrier()  # with shared memory too: nobody reads the segment any more
                 # every receiver has read the announcement: delete it (the barrier's few bytes stay); a
@@ -286,16 +273,6 @@ class WeightGroup:
                     ) from e
                 self.pending = None
                 self.post(version, header["tensors"], tensors, bucket_bytes=bucket_bytes)
-
-    def _shared(self, size: int) -> torch.Tensor:
-        """Rank 0: the shared-memory segment, as bytes, big enough for one version."""
-        assert self.shm is not None
-        if self.segment is None or self.segment.size < size:
-            if self.segment is not None:
-                self.segment.unlink()
-            directory, name = self.shm
-            self.segment = Segment.create(directory, f"{name}-{self.epoch}-{size}", size)
-        return torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=size)
 
     def _announce(self, header: Header) -> None:
         """A `set` does not wait for the store's answer: the trainer is not held up while the store wakes
@@ -327,8 +304,7 @@ class WeightGroup:
         """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1)."""
         assert self.rank == 0
         self._announce({"version": -1, "epoch": self.epoch})
-        if self.segment is not None:  # receivers keep their mapping; the name goes
-            self.segment.unlink()
+        self.memory.unlink()
 
     # ---------------------------------------------------------------------------------------------------
     # ranks 1..N: receiving
@@ -376,7 +352,7 @@ class WeightGroup:
             self._collective(lambda: self.member.receive(header))  # type: ignore[union-attr]
         else:
             if "shm" in header:
-                read = reader(self._mapped(header["shm"], sum(header["buckets"])))
+                read = reader(self.memory.mapped(header["shm"], sum(header["buckets"]), self.rank))
             else:
                 read = self._received
             for named in incoming(header, read):
@@ -390,19 +366,6 @@ class WeightGroup:
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._broadcast(buf)
         return buf
-
-    def _mapped(self, name: str, size: int) -> torch.Tensor:
-        """Receivers: the trainer's segment at path `name` (mapped once; again when it is re-created)."""
-        if self.segment is None or str(self.segment.path) != name:
-            path = Path(name)
-            try:
-                self.segment = Segment.open(str(path.parent), path.name)
-            except FileNotFoundError as e:
-                raise RuntimeError(
-                    f"weight receiver rank {self.rank}: the trainer's shared-memory segment {name} is not "
-                    "visible here; shared memory needs every inference replica on the trainer's host"
-                ) from e
-        return torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=size)
 
 
 def process_group(store: Any, rank: int, world_size: int, device: torch.device, timeout: timedelta) -> Any:
@@ -421,101 +384,6 @@ def broadcast_from_trainer(pg: Any, tensor: torch.Tensor) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
-def incoming(header: Header, read: Callable[[int], torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The tensors of an announced publication, one bucket at a time, as named views of the bucket bytes
-    that `read(size)` gives (received by broadcast, or the next slice of the shared memory). Lazy: a
-    consumer that takes them as they come holds one bucket at a time."""
-    manifest: Manifest = [(n, tuple(s), d) for n, s, d in header["tensors"]]
-    plan = _buckets(manifest, header["bucket_bytes"])
-    if [size for size, _ in plan] != header["buckets"]:
-        raise RuntimeError("weight publication: bucket layout differs from the trainer's (another version?)")
-    for size, members in plan:
-        yield _unpack(manifest, members, read(size))
-
-
-def reader(shared: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    """`read` for `incoming` over one shared-memory version: consecutive slices (views: the consumer
-    copies what it keeps before the group's barrier)."""
-    start = 0
-
-    def read(size: int) -> torch.Tensor:
-        nonlocal start
-        start += size
-        return shared[start - size : start]
-
-    return read
-
-
-def _pack(
-    manifest: Manifest, tensors: Sequence[torch.Tensor], members: Sequence[int], out: torch.Tensor
-) -> None:
-    """Copy tensors `members` (consecutive, in manifest order) into the bytes `out` in the bucket layout
-    (`_runs`), checking each: one concatenation per run, not a copy per tensor (3x cheaper for 50 small
-    tensors)."""
-    for index in members:
-        t = tensors[index]
-        name, shape, dtype = manifest[index]
-        if tuple(t.shape) != tuple(shape) or DTYPE_NAMES[t.dtype] != dtype:
-            raise ValueError(f"tensor {name}: got {tuple(t.shape)} {t.dtype}, manifest says {shape} {dtype}")
-    for start, nbytes, run in _runs(manifest, members):
-        raw = [tensors[i].detach().reshape(-1).view(torch.uint8) for i in run]
-        torch.cat(raw, out=out[start : start + nbytes])
-
-
-def _unpack(manifest: Manifest, members: Sequence[int], buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Tensors `members` of the bytes `buf` (a bucket packed by `_pack`) as named views: one split per
-    run, not three view operations per tensor (half the cost for 50 tensors)."""
-    out: list[tuple[str, torch.Tensor]] = []
-    for start, nbytes, run in _runs(manifest, members):
-        flat = buf[start : start + nbytes].view(TORCH_DTYPES[manifest[run[0]][2]])
-        counts = [math.prod(manifest[i][1]) for i in run]
-        out += [
-            (manifest[i][0], t.view(manifest[i][1])) for i, t in zip(run, flat.split(counts), strict=True)
-        ]
-    return out
-
-
-def _runs(manifest: Manifest, members: Sequence[int]) -> list[tuple[int, int, list[int]]]:
-    """The bucket layout: (byte offset, bytes, tensors) of each run of consecutive tensors of one dtype.
-    Tensors of a run lie back to back; each run starts ALIGN-aligned, so that a view of any dtype is
-    aligned whatever the sizes before it (a bfloat16 tensor of odd length followed by a float32 one)."""
-    runs: list[tuple[int, int, list[int]]] = []
-    start = size = 0
-    run: list[int] = []
-    last = None
-    for i in members:
-        _, shape, dtype = manifest[i]
-        if dtype != last:
-            if run:
-                runs.append((start, size - start, run))
-            start = size = _align(size)
-            run, last = [], dtype
-        run.append(i)
-        size += _nbytes(shape, dtype)
-    if run:
-        runs.append((start, size - start, run))
-    return runs
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one thread meanwhile, for copies of weights by the one thread using torch at the time.
-
-    Copying a few MB, a second thread gains nothing; on a busy machine each parallel copy waits for its
-    worker to be scheduled, and the worker then spins, keeping a core from the process at the other end
-    (2 cores, a 3.4 MB model: publication to loaded weights 2.7-3.8 ms -> 1.3-1.9 ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _wait_key(store: Any, key: str) -> None:
     """Block until `key` is in `store`, however long that takes."""
     while True:
@@ -525,28 +393,3 @@ def _wait_key(store: Any, key: str) -> None:
         except dist.DistStoreError as e:
             if "timeout" not in str(e).lower():
                 raise
-
-
-def _nbytes(shape: Iterable[int], dtype: str) -> int:
-    n = TORCH_DTYPES[dtype].itemsize
-    for d in shape:
-        n *= d
-    return n
-
-
-def _buckets(manifest: Manifest, bucket_bytes: int) -> list[tuple[int, list[int]]]:
-    """Consecutive tensors grouped into buckets of at most bucket_bytes in the `_runs` layout (a bigger
-    tensor gets its own): (bucket bytes, tensors)."""
-    out: list[tuple[int, list[int]]] = []
-    members: list[int] = []
-    size, last = 0, None
-    for i, (_, shape, dtype) in enumerate(manifest):
-        grown = (size if dtype == last else _align(size)) + _nbytes(shape, dtype)
-        if members and grown > bucket_bytes:
-            out.append((size, members))
-            members, grown = [], _nbytes(shape, dtype)
-        members.append(i)
-        size, last = grown, dtype
-    if members:
-        out.append((size, members))
-    return out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshrl.dataplane.batch import DTYPE_NAMES
-from meshrl.runtime.weights import _buckets, _nbytes, _pack, _unpack
+from meshrl.runtime.weights_packing import buckets, nbytes, pack, unpack
 
 
 def test_mixed_dtypes_and_shapes_round_trip_bit_exact_through_every_bucket() -> None:
@@ -25,11 +25,11 @@ def test_mixed_dtypes_and_shapes_round_trip_bit_exact_through_every_bucket() -> 
     for bucket_bytes in (1, 40, 1 << 20):  # a tensor per bucket, a few, all in one
         got = {}
         index = 0
-        for size, members in _buckets(manifest, bucket_bytes):
-            assert members[0] == index and size >= sum(_nbytes(*manifest[i][1:]) for i in members)
+        for size, members in buckets(manifest, bucket_bytes):
+            assert members[0] == index and size >= sum(nbytes(*manifest[i][1:]) for i in members)
             buf = torch.empty(size, dtype=torch.uint8)
-            _pack(manifest, tensors, members, buf)
-            got.update(_unpack(manifest, members, buf))
+            pack(manifest, tensors, members, buf)
+            got.update(unpack(manifest, members, buf))
             index = members[-1] + 1
         assert list(got) == [m[0] for m in manifest]
         for t, (name, _, _) in zip(tensors, manifest, strict=True):
@@ -41,7 +41,7 @@ def test_mixed_dtypes_and_shapes_round_trip_bit_exact_through_every_bucket() -> 
 def test_a_tensor_that_does_not_match_the_manifest_is_refused() -> None:
     manifest = [("w", (2, 2), "float32")]
     with pytest.raises(ValueError, match="manifest says"):
-        _pack(manifest, [torch.zeros(4)], [0], torch.empty(16, dtype=torch.uint8))
+        pack(manifest, [torch.zeros(4)], [0], torch.empty(16, dtype=torch.uint8))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

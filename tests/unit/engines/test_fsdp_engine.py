@@ -136,7 +136,7 @@ def test_checkpoint_round_trip_restores_model_optimizer_and_step(tiny_model, tmp
 def test_actor_critic_learns_values_with_the_policy_and_publishes_only_the_policy(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from meshrl.engines.fsdp import VALUE_HEAD_FILE
+    from meshrl.engines.checkpoints import VALUE_HEAD_FILE
 
     plain = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"))
     engine = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), head="lm+value")

@@ -1,0 +1,106 @@
+"""The FSDP engine's model and optimizer on disk: Hugging Face checkpoints, and sharded ones to resume.
+
+A Hugging Face checkpoint is what evaluation, inference and the next run load (`save_pretrained`): the
+full state dict is gathered to rank 0 and written through an HF model built on the meta device, so the
+files are exactly those `from_pretrained` expects. The actor-critic's value head is not part of that
+model; it goes beside it in VALUE_HEAD_FILE (the policy loads without it) and `value_head` reads it back.
+
+A sharded checkpoint is the trainer's (or critic's) part of a run checkpoint (`meshrl/state/checkpoint.py`
+coordinates those): model, optimizer and step count written by torch.distributed.checkpoint, every rank
+its own shards, and read back on any number of ranks (`save_sharded`, `load_sharded`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+"""The actor-critic's value head, saved next to the policy's HF checkpoint (which loads without it)."""
+
+
+def value_head(model: Any, model_path: str) -> torch.nn.Linear:
+    """A linear value head on `model`'s last hidden state, in the model's dtype: saved weights when
+    `model_path` has them, else zero."""
+    hidden = model.config.get_text_config().hidden_size
+    dtype = next(model.parameters()).dtype
+    head = torch.nn.Linear(hidden, 1, dtype=dtype)
+    saved = os.path.join(model_path, VALUE_HEAD_FILE)
+    if os.path.exists(saved):
+        from safetensors.torch import load_file
+
+        head.load_state_dict(load_file(saved))
+    else:
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+    return head
+
+
+def save_pretrained(
+    model: Any, hf_config: Any, path: str, *, critic: bool, rank: int, tokenizer_from: str | None = None
+) -> None:
+    """`model` (the engine's, sharded or not) as a Hugging Face checkpoint of a causal LM, or with
+    `critic` a token classifier (collective; rank 0 writes), with the tokenizer of `tokenizer_from`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if dist.is_initialized():
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if rank == 0:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+        head: dict[str, Any] = {
+            k.removeprefix("value_head."): state.pop(k) for k in list(state) if k.startswith("value_head.")
+        }
+        auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+        with torch.device("meta"):
+            shell = auto.from_config(hf_config)
+        shell.load_state_dict(state, assign=True)
+        shell.tie_weights()
+        shell.config.use_cache = True
+        shell.save_pretrained(path)
+        if head:
+            save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, VALUE_HEAD_FILE))
+        if tokenizer_from is not None:
+            AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+
+
+def save_sharded(model: Any, optimizer: torch.optim.Optimizer, steps: int, path: str) -> None:
+    """Model, optimizer and step count into the directory `path`, sharded as trained (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _single_process_ok():
+        dcp.save(
+            {"model": model_state, "optim": optim_state, "steps": torch.tensor(steps)}, checkpoint_id=path
+        )
+
+
+def load_sharded(model: Any, optimizer: torch.optim.Optimizer, path: str) -> int:
+    """Restore what `save_sharded` wrote into `model` and `optimizer` (collective); returns the steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    steps = torch.tensor(0)
+    with _single_process_ok():
+        dcp.load({"model": model_state, "optim": optim_state, "steps": steps}, checkpoint_id=path)  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    return int(steps)
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """torch.distributed.checkpoint warns when there is no process group; one rank needs none."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
