@@ -31,9 +31,10 @@ from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
 from meshrl.engines.gather import full_tensors
-from meshrl.engines.objective import PolicyObjective, over_epochs, value_terms
+from meshrl.engines.objective import PolicyObjective, value_terms
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import TrainBatch
+from meshrl.observe.metrics import merged
 
 HEADS = ("lm", "value", "lm+value")
 
@@ -171,8 +172,7 @@ class FSDPEngine:
             [self._proximal(batch.rows(c), cfg) for c in chunks] if cfg.off_policy == "decoupled" else []
         )
         results = [self._epoch(batch, chunks, proximal, cfg) for _ in range(cfg.epochs)]
-        out = over_epochs(results)
-        out["ratio_max"] = max(r["ratio_max"] for r in results)
+        out = merged(results)
         return out
 
     def _epoch(
@@ -264,7 +264,7 @@ class FSDPEngine:
             step = self._step(loss_finite=math.isfinite(reduced["value_loss"]))
             results.append({**reduced, **step, "time/forward_backward_s": t1 - t0})
             results[-1]["time/optimizer_s"] = time.perf_counter() - t1
-        return over_epochs(results)
+        return merged(results)
 
     def _step(self, *, loss_finite: bool) -> dict[str, float]:
         """Clip gradients and take an optimizer step unless the loss or gradients are not finite."""

@@ -30,9 +30,6 @@ from meshrl.algorithms.losses import (
 )
 from meshrl.engines.packing import TrainBatch
 
-SUMMED = ("nan_skipped", "time/forward_backward_s", "time/optimizer_s")
-"""Metrics of a step that add up over the epochs of one batch (the others are averaged)."""
-
 
 class PolicyObjective:
     """One optimizer step of the policy: each micro-batch's loss, backpropagated as it comes, and the
@@ -205,11 +202,3 @@ def value_terms(
         "value_clip_fraction": metrics["value_clip_fraction"] * weight,
         "values_mean": float(torch.where(mask, values.detach(), 0.0).sum()) / tokens,
     }
-
-
-def over_epochs(results: list[dict[str, float]]) -> dict[str, float]:
-    """The metrics of several optimizer steps on one batch: averaged, but counts and timings summed."""
-    out = {key: sum(r[key] for r in results) / len(results) for key in results[0]}
-    for key in SUMMED:
-        out[key] = sum(r[key] for r in results)
-    return out

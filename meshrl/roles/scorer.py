@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshrl.columns import PROMPT, RESPONSE, SAMPLES
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
 from meshrl.planning.config import Columns, ServiceConfig
-from meshrl.roles import SAMPLES
 from meshrl.runtime.service import Service
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class ScorerConfig(ServiceConfig):
             yield "max_tokens: must be >= 1"
 
     def reads(self) -> Columns:
-        return {SAMPLES: ("prompt", "response")}
+        return {SAMPLES: (PROMPT, RESPONSE)}
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []
@@ -90,7 +90,7 @@ class ScorerService(Service):
     """Subclasses set `needs` and implement `load()` (which sets `self.model`, the frozen module) and
     `score(batch) -> columns`."""
 
-    needs: tuple[str, ...] = ("prompt", "response")
+    needs: tuple[str, ...] = (PROMPT, RESPONSE)
     model: Any
 
     def setup(self) -> None:

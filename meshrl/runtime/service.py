@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshrl.columns import CONTROL, EVENT
 from meshrl.dataplane import AsyncClient, Client
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.recipe import Recipe
@@ -30,7 +31,6 @@ from meshrl.planning.topology import HEALTH, Process, Replica, Topology
 if TYPE_CHECKING:
     from meshrl.runtime.colocation import RingMember
 
-CONTROL = "control"
 FINISHED = 1  # control event: training is over, every service exits
 FAILED = 2  # control event: a service gave up; the others exit with an error
 WATCH_S = 60.0  # parked claims come back empty this often (and are parked again)
@@ -217,9 +217,9 @@ class Service:
         if now - self._checked < every:
             return False
         self._checked = now
-        batch = self.control().claim(CONTROL, self.ctx.name, ["event"], 16)
+        batch = self.control().claim(CONTROL, self.ctx.name, [EVENT], 16)
         if batch:
-            events: list[int] = batch.tensor("event").tolist()
+            events: list[int] = batch.tensor(EVENT).tolist()
             self.control().ack(batch)
             if FAILED in events:
                 by = batch.meta_of("by")
@@ -234,10 +234,10 @@ class Service:
         idle replicas cost nothing. Use instead of `finished()`, not with it (they share a consumer).
         """
         while True:
-            batch = await client.claim(CONTROL, self.ctx.name, ["event"], 16, timeout=WATCH_S)
+            batch = await client.claim(CONTROL, self.ctx.name, [EVENT], 16, timeout=WATCH_S)
             if not batch:
                 continue
-            events: list[int] = batch.tensor("event").tolist()
+            events: list[int] = batch.tensor(EVENT).tolist()
             by = batch.meta_of("by")
             await client.ack(batch)
             if FAILED in events:
@@ -248,7 +248,7 @@ class Service:
 
     def finish_run(self) -> None:
         """Announce that training is over: every service of the run exits."""
-        self.control().put(CONTROL, {"event": torch.tensor([FINISHED])}, meta=[{"by": self.ctx.name}])
+        self.control().put(CONTROL, {EVENT: torch.tensor([FINISHED])}, meta=[{"by": self.ctx.name}])
         self._finished = True
 
 

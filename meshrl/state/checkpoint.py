@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-CHECKPOINT = "checkpoint"
-CHECKPOINT_ACKS = "checkpoint_acks"
+from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, STEP
+
 COMPLETE = "COMPLETE"
 DONE = "done"
 
@@ -156,10 +156,10 @@ async def take_part(
     from meshrl.runtime.service import WATCH_S
 
     while True:
-        batch = await client.claim(CHECKPOINT, name, ["step"], 16, timeout=WATCH_S)
+        batch = await client.claim(CHECKPOINT, name, [STEP], 16, timeout=WATCH_S)
         if not batch:
             continue
-        for step, meta in zip(batch.tensor("step").tolist(), batch.meta or [], strict=True):
+        for step, meta in zip(batch.tensor(STEP).tolist(), batch.meta or [], strict=True):
             meta = meta or {}
             if meta.get(DONE):
                 pause.release()
@@ -178,7 +178,7 @@ async def take_part(
                 if directory.is_dir():
                     raise
                 continue  # committed meanwhile without this answer; its `done` row releases the pause
-            await client.put(CHECKPOINT_ACKS, {"step": torch.tensor([step])}, meta=[{"by": name}])
+            await client.put(CHECKPOINT_ACKS, {STEP: torch.tensor([step])}, meta=[{"by": name}])
         # Acknowledged once answered: a process killed in between is restarted (in place, or with the
         # run) and answers again; the trainer ignores a second answer. A request that comes back after
         # its checkpoint was committed (from the snapshot, which holds it claimed) finds no directory.

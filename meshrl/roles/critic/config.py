@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshrl.columns import CHECKPOINT_ACKS, PROMPT, RESPONSE, RETURNS, SAMPLES, STEP, VALID, VALUES
 from meshrl.planning.config import Columns, ServiceConfig
-from meshrl.roles import SAMPLES
 from meshrl.roles.trainer.config import Schedule
-from meshrl.state.checkpoint import CHECKPOINT_ACKS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -62,10 +61,10 @@ class CriticConfig(ServiceConfig):
             yield "value_clip: must be > 0 (or None)"
 
     def reads(self) -> Columns:
-        return {SAMPLES: ("prompt", "response", "values", "returns", "valid")}
+        return {SAMPLES: (PROMPT, RESPONSE, VALUES, RETURNS, VALID)}
 
     def writes(self) -> Columns:
-        return {SAMPLES: ("values",), CHECKPOINT_ACKS: ("step",)}
+        return {SAMPLES: (VALUES,), CHECKPOINT_ACKS: (STEP,)}
 
     def retention(self) -> Columns:
         return {SAMPLES: (TRAIN_CONSUMER,)}

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshrl.columns import PROMPT, RESPONSE, RETURNS, SAMPLES, VALID, VALUES
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import pack
-from meshrl.roles import SAMPLES
+from meshrl.observe.metrics import JsonlSink, merged
 from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime.service import WATCH_S, Service
@@ -64,9 +64,7 @@ class CriticService(Service):
         self.version = 0
         self.minibatches = 0
         self.valued = 0
-        self.stats: list[dict[str, float]] = []
-        self.metrics_file = self.ctx.run_dir / "critic.jsonl"
-        self.metrics_lines = 0
+        self.stats: list[dict[str, float]] = []  # the current version's updates
         self.last = time.perf_counter()
         # the rows of the effect in flight (in the state file), and those a predecessor had in flight
         self.valuing: list[int] = []
@@ -75,16 +73,15 @@ class CriticService(Service):
         self.replay_train: set[int] = set()
         self.state = StateFile(self.ctx.run_dir / "rejoin" / f"{self.ctx.name}.{self.ctx.launch}")
         predecessor = self.state.read()
+        lines = 0  # metrics lines to keep: none in a fresh run
         if predecessor is not None:
-            self.rejoin(predecessor)
-            return
-        for old in (self.ctx.run_dir / "rejoin").glob(f"{self.ctx.name}.*.json"):  # earlier launches'
-            old.unlink()
-        resume = self.ctx.resume
-        if resume is not None:
-            self.load_state(resume)
+            lines = self.rejoin(predecessor)
         else:
-            self.metrics_file.write_text("")
+            for old in (self.ctx.run_dir / "rejoin").glob(f"{self.ctx.name}.*.json"):  # earlier launches'
+                old.unlink()
+            if self.ctx.resume is not None:
+                lines = self.load_state(self.ctx.resume)
+        self.metrics = JsonlSink(self.ctx.run_dir / "critic.jsonl", keep=lines)
 
     @property
     def config(self) -> CriticConfig:
@@ -131,14 +128,14 @@ class CriticService(Service):
     def claim_values(self) -> asyncio.Task[Batch]:
         cfg = self.config
         return asyncio.create_task(
-            self.client.claim(SAMPLES, VALUES_CONSUMER, ["prompt", "response"], cfg.max_batch,
+            self.client.claim(SAMPLES, VALUES_CONSUMER, [PROMPT, RESPONSE], cfg.max_batch,
                               timeout=WATCH_S, lease=LEASE_S)
         )  # fmt: skip
 
     def claim_train(self) -> asyncio.Task[Batch]:
         n = self.ctx.recipe.batch_size
         return asyncio.create_task(
-            self.client.claim(SAMPLES, TRAIN_CONSUMER, ["prompt", "response", "values", "returns", "valid"], n,
+            self.client.claim(SAMPLES, TRAIN_CONSUMER, [PROMPT, RESPONSE, VALUES, RETURNS, VALID], n,
                               min_n=n, timeout=WATCH_S, lease=LEASE_S)
         )  # fmt: skip
 
@@ -198,13 +195,13 @@ class CriticService(Service):
         return still
 
     def values(self, batch: Batch, rows: list[int]) -> dict[str, Any]:
-        prompts = Ragged.from_list([batch.ragged("prompt")[i] for i in rows])
-        responses = Ragged.from_list([batch.ragged("response")[i] for i in rows])
+        prompts = Ragged.from_list([batch.ragged(PROMPT)[i] for i in rows])
+        responses = Ragged.from_list([batch.ragged(RESPONSE)[i] for i in rows])
         packed = pack(
             prompts, responses, None, torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
         )
         v = self.engine.compute_values(packed, self.config.micro_batch)
-        return {"values": [v[k][packed.mask[k]] for k in range(len(rows))]}
+        return {VALUES: [v[k][packed.mask[k]] for k in range(len(rows))]}
 
     def train(self, batch: Batch) -> None:
         """One critic version: a batch of samples in `mini_batches` optimizer steps. The mini-batches are
@@ -220,11 +217,11 @@ class CriticService(Service):
         self.record()
 
     def train_minibatch(self, batch: Batch, index: list[int]) -> None:
-        valid = batch.tensor("valid").bool()[index]
+        valid = batch.tensor(VALID).bool()[index]
         pick = lambda name: Ragged.from_list([batch.ragged(name)[i] for i in index])  # noqa: E731
         packed = pack(
-            pick("prompt"), pick("response"), None, torch.zeros(len(index)), valid,
-            values=pick("values"), returns=pick("returns"),
+            pick(PROMPT), pick(RESPONSE), None, torch.zeros(len(index)), valid,
+            values=pick(VALUES), returns=pick(RETURNS),
         )  # fmt: skip
         assert packed.values is not None and packed.returns is not None
         m = packed.mask
@@ -248,31 +245,37 @@ class CriticService(Service):
             self.version_changed.clear()
             await self.version_changed.wait()
 
+    def progress(self) -> dict[str, Any]:
+        """What the critic saves besides its weights and optimizer: in a checkpoint, and in its state file
+        ahead of every effect (with the rows of the effect in flight)."""
+        return {
+            "version": self.version, "minibatches": self.minibatches, "valued": self.valued, "stats": self.stats,
+            "steps": self.engine.steps, "metrics_lines": self.metrics.lines,
+            "valuing": self.valuing, "training": self.training,
+        }  # fmt: skip
+
+    def take_progress(self, progress: dict[str, Any]) -> int:
+        """Take the counters of `progress`; returns its metrics lines."""
+        self.version, self.minibatches = int(progress["version"]), int(progress["minibatches"])
+        self.valued, self.stats = int(progress["valued"]), list(progress["stats"])
+        return int(progress["metrics_lines"])
+
     async def save_state(self, directory: Path) -> None:
         await asyncio.to_thread(self.engine.save_checkpoint, str(directory / self.ctx.name))
-        ckpt.save_json(directory / f"{self.ctx.name}.json", {
-            "version": self.version, "minibatches": self.minibatches, "valued": self.valued,
-            "stats": self.stats, "metrics_lines": self.metrics_lines,
-        })  # fmt: skip
+        ckpt.save_json(directory / f"{self.ctx.name}.json", self.progress())
 
-    def load_state(self, directory: Path) -> None:
-        state = ckpt.load_json(directory / f"{self.ctx.name}.json")
+    def load_state(self, directory: Path) -> int:
+        """Resume from a checkpoint: its weights, optimizer state and progress."""
         self.engine.load_checkpoint(str(directory / self.ctx.name))
-        self.version, self.minibatches = int(state["version"]), int(state["minibatches"])
-        self.valued, self.stats = int(state["valued"]), list(state["stats"])
-        self.metrics_lines = int(state["metrics_lines"])
-        ckpt.truncate_jsonl(self.metrics_file, self.metrics_lines)
+        lines = self.take_progress(ckpt.load_json(directory / f"{self.ctx.name}.json"))
         self.log.info("resumed from %s at critic version %d", directory, self.version)
+        return lines
 
     def persist(self) -> None:
         """Write the progress, ahead of the data-plane effect about to happen (see the module's doc)."""
-        self.state.write({
-            "version": self.version, "minibatches": self.minibatches, "valued": self.valued,
-            "steps": self.engine.steps, "metrics_lines": self.metrics_lines, "valuing": self.valuing,
-            "training": self.training,
-        })  # fmt: skip
+        self.state.write(self.progress())
 
-    def rejoin(self, state: dict[str, Any]) -> None:
+    def rejoin(self, state: dict[str, Any]) -> int:
         """Take over from a predecessor of this launch: its progress, the latest checkpoint's weights."""
         latest = ckpt.latest(self.ctx.run_dir)
         weights = "the initial weights"
@@ -281,23 +284,21 @@ class CriticService(Service):
             saved = ckpt.load_json(latest / f"{self.ctx.name}.json")["version"]
             weights = f"the weights of {latest.name} (critic version {saved})"
         self.engine.continue_schedule(int(state["steps"]))
-        self.version, self.minibatches = int(state["version"]), int(state["minibatches"])
-        self.valued, self.metrics_lines = int(state["valued"]), int(state["metrics_lines"])
         self.replay_values, self.replay_train = set(state["valuing"]), set(state["training"])
-        ckpt.truncate_jsonl(self.metrics_file, self.metrics_lines)  # a line its predecessor wrote after
-        self.log.warning("re-joined the run at critic version %d with %s", self.version, weights)
+        self.log.warning("re-joined the run at critic version %d with %s", state["version"], weights)
+        return self.take_progress(state)  # the metrics lines: a line its predecessor wrote after is cut
 
     def record(self) -> None:
         stats, self.stats = self.stats, []
-        row: dict[str, Any] = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-        for key in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
-            row[key] = sum(s[key] for s in stats)
         now = time.perf_counter()
-        row = {"version": self.version, **row, "time/step_s": now - self.last, "valued": self.valued}
+        row = {
+            "version": self.version,
+            **merged(stats),
+            "time/step_s": now - self.last,
+            "valued": self.valued,
+        }
         self.last = now
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.metrics_lines += 1
+        self.metrics.write(row)
         self.ctx.health.info.update(version=self.version, valued=self.valued)
         if row["nan_skipped"] >= len(stats) * self.config.epochs:  # not one step of this version counted
             raise FloatingPointError("every critic update of a batch had a non-finite loss or gradient")

@@ -7,13 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from meshrl.columns import EVAL, GENERATED, PROMPT, SAMPLES
 from meshrl.planning.config import Columns, ServiceConfig
-from meshrl.roles import EVAL, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
-
-GENERATED = ("response", "logprobs", "version", "gen_s", "gen_batch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +90,7 @@ class InferenceConfig(ServiceConfig):
             yield "max_batch: must be >= 1"
 
     def reads(self) -> Columns:
-        return {SAMPLES: ("prompt",), EVAL: ("prompt",)}
+        return {SAMPLES: (PROMPT,), EVAL: (PROMPT,)}
 
     def writes(self) -> Columns:
         return {SAMPLES: GENERATED, EVAL: GENERATED}

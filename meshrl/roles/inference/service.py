@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from meshrl.columns import EVAL, GEN_BATCH, GEN_S, LOGPROBS, PROMPT, RESPONSE, SAMPLES, VERSION
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
-from meshrl.roles import EVAL, SAMPLES
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.roles.trainer.config import TrainerConfig
@@ -193,7 +193,7 @@ class InferenceService(Service):
 
     @staticmethod
     async def claim(client: AsyncClient, kind: str, n: int) -> Batch:
-        return await client.claim(kind, "inference", ["prompt"], n, timeout=WATCH_S, lease=LEASE_S)
+        return await client.claim(kind, "inference", [PROMPT], n, timeout=WATCH_S, lease=LEASE_S)
 
     async def serve_rows(self, client: AsyncClient, work: Waiting) -> None:
         """Generate the rows the current version may serve; park the others."""
@@ -365,7 +365,7 @@ class InferenceService(Service):
         """Completions for `rows` of `batch`; rows interrupted by a weight update are continued on the
         new weights and record both versions."""
         cfg = self.config
-        prompts = [batch.ragged("prompt")[i].tolist() for i in rows]
+        prompts = [batch.ragged(PROMPT)[i].tolist() for i in rows]
         flags = batch.meta_of("greedy", False)
         greedy = [bool(flags[i]) if eval_rows else False for i in rows]
         tokens: list[list[int]] = [[] for _ in rows]
@@ -430,15 +430,15 @@ class InferenceService(Service):
         n = len(prompts)
         lengths = [len(t) for t in tokens]
         return {  # ragged columns built flat: one tensor each, not one per row
-            "response": Ragged(
+            RESPONSE: Ragged(
                 torch.tensor(list(itertools.chain.from_iterable(tokens)), dtype=torch.int64), lengths
             ),
-            "logprobs": Ragged(
+            LOGPROBS: Ragged(
                 torch.tensor(list(itertools.chain.from_iterable(logprobs)), dtype=torch.float32), lengths
             ),
-            "version": torch.tensor(list(zip(first, last, strict=True)), dtype=torch.int64).view(n, 2),
-            "gen_s": torch.full((n,), gen_s, dtype=torch.float32),
-            "gen_batch": torch.full(
+            VERSION: torch.tensor(list(zip(first, last, strict=True)), dtype=torch.int64).view(n, 2),
+            GEN_S: torch.full((n,), gen_s, dtype=torch.float32),
+            GEN_BATCH: torch.full(
                 (n,), self.ctx.replica.index * 1_000_000_000 + self.batches, dtype=torch.int64
             ),
         }

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshrl.columns import REF_LOGPROBS, SAMPLES
 from meshrl.planning.config import Columns
-from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 
 
@@ -17,4 +17,4 @@ class ReferenceConfig(ScorerConfig):
     service = "meshrl.roles.reference.service:ReferenceService"
 
     def writes(self) -> Columns:
-        return {SAMPLES: ("ref_logprobs",)}
+        return {SAMPLES: (REF_LOGPROBS,)}

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from meshrl.algorithms.losses import token_logprobs
+from meshrl.columns import PROMPT, REF_LOGPROBS, RESPONSE
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.reference.config import ReferenceConfig
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
@@ -25,10 +26,10 @@ class ReferenceService(ScorerService):
 
     def score(self, batch: Batch) -> dict[str, Any]:
         lp = response_logprobs(
-            self.model, batch.ragged("prompt"), batch.ragged("response"), temperature=self.temperature,
+            self.model, batch.ragged(PROMPT), batch.ragged(RESPONSE), temperature=self.temperature,
             max_tokens=self.config.max_tokens, pad_id=self.pad_id, device=self.ctx.device,
         )  # fmt: skip
-        return {"ref_logprobs": lp}
+        return {REF_LOGPROBS: lp}
 
 
 def response_logprobs(

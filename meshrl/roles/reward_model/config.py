@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshrl.columns import RM_SCORE, SAMPLES
 from meshrl.planning.config import Columns
-from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 
 
@@ -23,4 +23,4 @@ class RewardModelConfig(ScorerConfig):
     """Path of the policy's tokenizer (default: the rollout's model)."""
 
     def writes(self) -> Columns:
-        return {SAMPLES: ("rm_score",)}
+        return {SAMPLES: (RM_SCORE,)}

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from meshrl.columns import PROMPT, RESPONSE, RM_SCORE
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.reward_model.config import RewardModelConfig
 from meshrl.roles.scorer import ScorerService, token_batches
@@ -33,12 +34,12 @@ class RewardModelService(ScorerService):
             self.log.info("reward model tokenizer differs from the policy's: rows are re-tokenized")
 
     def score(self, batch: Batch) -> dict[str, Any]:
-        rows = self.sequences(batch.ragged("prompt"), batch.ragged("response"))
+        rows = self.sequences(batch.ragged(PROMPT), batch.ragged(RESPONSE))
         lengths = torch.tensor([len(r) for r in rows])
         out = torch.zeros(len(rows), dtype=torch.float32)
         for index in token_batches(lengths, self.config.max_tokens):
             out[index] = last_token_scores(self.model, [rows[i] for i in index.tolist()], self.ctx.device)
-        return {"rm_score": out}
+        return {RM_SCORE: out}
 
     def sequences(self, prompts: Ragged, responses: Ragged) -> list[torch.Tensor]:
         if self.same_vocab:

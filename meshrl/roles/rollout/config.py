@@ -9,9 +9,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from meshrl.columns import (
+    ADVANTAGE,
+    CHECKPOINT_ACKS,
+    EVAL,
+    GATE,
+    LOGPROBS,
+    PROMPT,
+    REF_LOGPROBS,
+    RESPONSE,
+    RETURNS,
+    REWARD,
+    RM_SCORE,
+    SAMPLES,
+    STEP,
+    TOKEN_REWARDS,
+    VALID,
+    VALUES,
+    VERSION,
+)
 from meshrl.planning.config import Columns, ServiceConfig
-from meshrl.roles import EVAL, GATE, SAMPLES
-from meshrl.state.checkpoint import CHECKPOINT_ACKS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -114,28 +131,28 @@ class RolloutConfig(ServiceConfig):
         advantage take from other services."""
         cols: tuple[str, ...] = ("prompt", "response")
         if self.rm_weight > 0:
-            cols += ("rm_score",)
+            cols += (RM_SCORE,)
         if self.kl_in_reward > 0:
-            cols += ("logprobs", "ref_logprobs")
+            cols += (LOGPROBS, REF_LOGPROBS)
         if self.advantage == "gae" and self.values == "critic":
-            cols += ("values",)
+            cols += (VALUES,)
         return cols
 
     @property
     def advantage_columns(self) -> tuple[str, ...]:
         """What scoring writes besides `reward` and `valid`."""
         if self.advantage != "gae":
-            return ("advantage",)
-        return ("advantage", "returns") if self.values == "critic" else ("token_rewards",)
+            return (ADVANTAGE,)
+        return (ADVANTAGE, RETURNS) if self.values == "critic" else (TOKEN_REWARDS,)
 
     def reads(self) -> Columns:
-        return {SAMPLES: self.score_columns(), EVAL: ("prompt", "response"), GATE: ("version",)}
+        return {SAMPLES: self.score_columns(), EVAL: (PROMPT, RESPONSE), GATE: (VERSION,)}
 
     def writes(self) -> Columns:
         return {
-            SAMPLES: ("prompt", "reward", *self.advantage_columns, "valid"),
-            EVAL: ("prompt",),
-            CHECKPOINT_ACKS: ("step",),
+            SAMPLES: (PROMPT, REWARD, *self.advantage_columns, VALID),
+            EVAL: (PROMPT,),
+            CHECKPOINT_ACKS: (STEP,),
         }
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
@@ -170,7 +187,7 @@ class RolloutConfig(ServiceConfig):
                     continue
                 written = g.config.writes().get(SAMPLES, ())
                 late = [c for c in written if c not in mine]
-                if late and "response" not in written:  # inference writes all its columns at once
+                if late and RESPONSE not in written:  # inference writes all its columns at once
                     problems.append(
                         f"dynamic_sampling: {g.id} writes {late} into rows that rollout may delete before it "
                         "is done; dynamic sampling works with services whose columns rollout reads"

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from meshrl.columns import RESPONSE
 from meshrl.dataplane import Batch
 from meshrl.roles.rollout.config import BUILTIN_TASKS, RolloutConfig
 
@@ -28,7 +29,7 @@ def rule_rewards(
     out = [0.0] * len(batch)
     valid = [True] * len(batch)
     failure = None
-    responses = batch.ragged("response")
+    responses = batch.ragged(RESPONSE)
     eos = set(tokenizer.all_special_ids) & {tokenizer.eos_token_id}
     flat, bounds = responses.values.tolist(), responses.offsets.tolist()
     answers = []

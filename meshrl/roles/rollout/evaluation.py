@@ -12,14 +12,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshrl.columns import EVAL, PROMPT, RESPONSE
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
-from meshrl.roles import EVAL
+from meshrl.observe.metrics import JsonlSink, Metrics
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.runtime.service import WATCH_S
@@ -36,10 +36,10 @@ class Evaluation:
         rows: list[dict[str, Any]],
         encode: Callable[[dict[str, Any]], torch.Tensor],
         rewards: Callable[[Batch, list[dict[str, Any]]], tuple[torch.Tensor, torch.Tensor]],
-        path: Path,
+        sink: JsonlSink,
     ) -> None:
         self.cfg, self.state, self.rows, self.encode, self.rewards = cfg, state, rows, encode, rewards
-        self.path = path
+        self.sink, self.path = sink, sink.path
         self.recorded: set[int] = set()  # versions whose line is in the file (a re-joining process reads it)
 
     def due(self, version: int, final: bool) -> bool:
@@ -62,14 +62,14 @@ class Evaluation:
                 prompts.append(tokens)
                 meta.append({"eval_version": version, "greedy": k == 0, "prompt_id": index, "member": k,
                              "min_version": version})  # fmt: skip
-        await client.put(EVAL, {"prompt": prompts}, meta=meta, timeout=3600, key=key)
+        await client.put(EVAL, {PROMPT: prompts}, meta=meta, timeout=3600, key=key)
 
     async def run(
         self, client: AsyncClient, pause: Pause, persist: Callable[[], None], after: Callable[[], None]
     ) -> None:
         """Collect evaluation rows forever; `after` runs when an evaluation completed."""
         while True:
-            batch = await client.claim(EVAL, "rollout", ["prompt", "response"], 4096, timeout=WATCH_S)
+            batch = await client.claim(EVAL, "rollout", [PROMPT, RESPONSE], 4096, timeout=WATCH_S)
             if not batch:
                 continue
             async with pause.work():
@@ -105,18 +105,20 @@ class Evaluation:
         if version in self.recorded:  # by a predecessor that died before its state said so
             return
         self.recorded.add(version)
-        greedy = [r for g, r in results if g]
-        sampled = [r for g, r in results if not g]
+        m = Metrics()
+        for greedy, reward in results:
+            m.add("greedy_accuracy" if greedy else "sampled_accuracy", reward)
+            m.add("prompts", float(greedy))
+        values = m.reduce()
         row = {
             "version": version,
-            "greedy_accuracy": sum(greedy) / max(1, len(greedy)),
-            "sampled_accuracy": sum(sampled) / max(1, len(sampled)),
-            "prompts": len(greedy),
+            "greedy_accuracy": values.get("greedy_accuracy", 0.0),
+            "sampled_accuracy": values.get("sampled_accuracy", 0.0),
+            "prompts": int(values.get("prompts", 0)),
             "time": time.time(),
         }
         log.info("eval at version %d: %s", version, row)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self.sink.write(row)
 
     def read_recorded(self) -> None:
         """The versions already in the file (a re-joining process's predecessor may have written one its

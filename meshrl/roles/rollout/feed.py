@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from meshrl.columns import PROMPT, SAMPLES
 from meshrl.dataplane import AsyncClient
 from meshrl.dataplane.protocol import Meta
 from meshrl.planning.recipe import Recipe
-from meshrl.roles import SAMPLES
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.state.checkpoint import Pause
@@ -128,7 +128,7 @@ class Feed:
             rows += [tokens[index] if tokens else self.encode(self.rows[index])] * n
             meta += [{"group": group, "member": k, "prompt_id": index, "epoch": epoch, "min_version": need}
                      for k in range(n)]  # fmt: skip
-        await client.put(SAMPLES, {"prompt": rows}, meta=meta, timeout=3600, key=key)
+        await client.put(SAMPLES, {PROMPT: rows}, meta=meta, timeout=3600, key=key)
 
     def next_prompt(self) -> tuple[int, torch.Tensor]:
         """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""

@@ -24,9 +24,21 @@ import torch
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms import filters
 from meshrl.algorithms.losses import AdaptiveKL, kl
+from meshrl.columns import (
+    ADVANTAGE,
+    LOGPROBS,
+    REF_LOGPROBS,
+    RESPONSE,
+    RETURNS,
+    REWARD,
+    RM_SCORE,
+    SAMPLES,
+    TOKEN_REWARDS,
+    VALID,
+    VALUES,
+)
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.planning.recipe import Recipe
-from meshrl.roles import SAMPLES
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import RewardFn, rule_rewards
 from meshrl.roles.rollout.state import RolloutState
@@ -160,9 +172,9 @@ class Scoring:
             rule, valid = self.rewards(batch, self.rows)
             reward += cfg.reward_weight * rule
         if cfg.rm_weight > 0:
-            reward += cfg.rm_weight * batch.tensor("rm_score").float()
+            reward += cfg.rm_weight * batch.tensor(RM_SCORE).float()
         if cfg.overlong_max_len is not None:
-            lengths = batch.ragged("response").lengths
+            lengths = batch.ragged(RESPONSE).lengths
             reward += filters.overlong_penalty(
                 lengths,
                 max_len=cfg.overlong_max_len,
@@ -182,7 +194,7 @@ class Scoring:
         """Columns `reward`, `advantage`, `valid` (and `returns` for gae) for rows `index` of `batch`."""
         cfg = self.cfg
         pick = index.tolist()
-        lengths = batch.ragged("response").lengths[index]
+        lengths = batch.ragged(RESPONSE).lengths[index]
         width = int(lengths.max()) if len(lengths) else 0
         mask = (torch.arange(width)[None, :] < lengths[:, None]) & valid[:, None]
 
@@ -191,21 +203,19 @@ class Scoring:
 
         penalty = None
         if cfg.kl_in_reward > 0:
-            per_token = torch.where(
-                mask, kl(padded("logprobs"), padded("ref_logprobs"), cfg.kl_estimator), 0.0
-            )
+            per_token = torch.where(mask, kl(padded(LOGPROBS), padded(REF_LOGPROBS), cfg.kl_estimator), 0.0)
             per_sample = per_token.sum(1)
             penalty = self.kl.coef * per_token
             n = int(valid.sum())
             self.kl_measured = float(per_sample[valid].mean()) if n else 0.0
             self.kl.update(self.kl_measured, n)
-        out: dict[str, Any] = {"valid": valid}
+        out: dict[str, Any] = {VALID: valid}
         if cfg.advantage == "gae":
             return {**out, **self._gae(reward, mask, penalty, lengths, padded)}
         if penalty is not None:
             reward = reward - penalty.sum(1)
-        out["reward"] = reward
-        out["advantage"] = outcome_advantages(cfg, reward, groups, valid)
+        out[REWARD] = reward
+        out[ADVANTAGE] = outcome_advantages(cfg, reward, groups, valid)
         return out
 
     def _gae(
@@ -220,14 +230,14 @@ class Scoring:
         rewards = adv.token_rewards(reward, mask, penalty)
         rows = range(len(lengths))
         if cfg.values == "trainer":  # its value head: the trainer computes the advantages
-            return {"reward": reward, "token_rewards": [rewards[k, : lengths[k]] for k in rows]}
-        advantage, returns = adv.gae(rewards, padded("values"), mask, gamma=cfg.gamma, lam=cfg.lam)
+            return {REWARD: reward, TOKEN_REWARDS: [rewards[k, : lengths[k]] for k in rows]}
+        advantage, returns = adv.gae(rewards, padded(VALUES), mask, gamma=cfg.gamma, lam=cfg.lam)
         if cfg.whiten:
             advantage = adv.whiten(advantage, mask)
         return {
-            "reward": reward,
-            "advantage": [advantage[k, : lengths[k]] for k in rows],
-            "returns": [returns[k, : lengths[k]] for k in rows],
+            REWARD: reward,
+            ADVANTAGE: [advantage[k, : lengths[k]] for k in rows],
+            RETURNS: [returns[k, : lengths[k]] for k in rows],
         }
 
 

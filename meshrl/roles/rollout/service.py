@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from meshrl.columns import GATE, VERSION
 from meshrl.dataplane import AsyncClient
-from meshrl.roles import GATE
+from meshrl.observe.metrics import JsonlSink
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import RewardFn, encode, load_rows
 from meshrl.roles.rollout.evaluation import Evaluation
@@ -72,7 +73,9 @@ class RolloutService(Service):
         self.scoring = Scoring(
             cfg, ctx.recipe, self.state, rewards, train_rows, on_refill=self.feed.changed.set
         )
-        self.evaluation = Evaluation(cfg, self.state, eval_rows, encoded, rewards, ctx.run_dir / "eval.jsonl")
+        self.evaluation = Evaluation(
+            cfg, self.state, eval_rows, encoded, rewards, self.eval_sink(predecessor)
+        )
         if predecessor is not None:
             self.evaluation.read_recorded()
             st = self.state
@@ -82,16 +85,20 @@ class RolloutService(Service):
             )  # fmt: skip
 
     def fresh(self) -> RolloutState:
-        if self.ctx.replica.index == 0:
-            (self.ctx.run_dir / "eval.jsonl").write_text("")
         return RolloutState(group_seq=self.ctx.replica.index * 10**12, kl_coef=self.config.kl_in_reward)
 
+    def eval_sink(self, predecessor: object) -> JsonlSink:
+        """eval.jsonl: replica 0 starts it afresh, or cuts it back to the checkpoint it resumes from; a
+        re-joining process appends to what its predecessor wrote."""
+        keep: int | None = None
+        if self.ctx.replica.index == 0 and predecessor is None:
+            keep = self.state.eval_lines if self.ctx.resume is not None else 0
+        return JsonlSink(self.ctx.run_dir / "eval.jsonl", keep=keep)
+
     def load(self, checkpoint: Path) -> RolloutState:
-        """The state saved in `checkpoint`; eval.jsonl is cut back to what it held then."""
+        """The state saved in `checkpoint` (eval.jsonl is cut back to what it held then: `eval_sink`)."""
         path = checkpoint / f"{self.ctx.name}.json"
         state = RolloutState.from_json(ckpt.load_json(path))
-        if self.ctx.replica.index == 0:
-            ckpt.truncate_jsonl(self.ctx.run_dir / "eval.jsonl", state.eval_lines)
         self.log.info("resumed from %s: %d samples started, %d scored", path, state.started, state.scored)
         return state
 
@@ -179,11 +186,11 @@ class RolloutService(Service):
         one ends the run once its evaluation is in."""
         consumer, st = f"{self.ctx.replica.name}-gate", self.state
         while True:
-            batch = await self.client.claim(GATE, consumer, ["version"], 64, timeout=WATCH_S)
+            batch = await self.client.claim(GATE, consumer, [VERSION], 64, timeout=WATCH_S)
             if not batch:
                 continue
             async with self.pause.work():
-                for version, meta in zip(batch.tensor("version").tolist(), batch.meta or [], strict=False):
+                for version, meta in zip(batch.tensor(VERSION).tolist(), batch.meta or [], strict=False):
                     if version <= st.last_gate:  # counted by a predecessor that died before its ack
                         continue
                     await self.gate(int(version), bool(meta and meta.get("final")))

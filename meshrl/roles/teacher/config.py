@@ -7,18 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshrl.columns import SAMPLES, teacher_columns
 from meshrl.planning.config import Columns
-from meshrl.roles import SAMPLES
 from meshrl.roles.scorer import ScorerConfig
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
-
-
-def teacher_columns(prefix: str) -> tuple[str, str, str]:
-    """The columns a teacher writes: top-k ids and logprobs ([response_len, k] per row) and the logprob
-    of each sampled response token ([response_len])."""
-    return f"{prefix}_topk_ids", f"{prefix}_topk_logprobs", f"{prefix}_logprobs"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from meshrl.algorithms.distill import topk_logprobs
+from meshrl.columns import PROMPT, RESPONSE, teacher_columns
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
-from meshrl.roles.teacher.config import TeacherConfig, teacher_columns
+from meshrl.roles.teacher.config import TeacherConfig
 
 
 class TeacherService(ScorerService):
@@ -39,7 +40,7 @@ class TeacherService(ScorerService):
         self.columns = teacher_columns(cfg.prefix)
 
     def score(self, batch: Batch) -> dict[str, Any]:
-        out = self.topk(batch.ragged("prompt"), batch.ragged("response"))
+        out = self.topk(batch.ragged(PROMPT), batch.ragged(RESPONSE))
         return dict(zip(self.columns, out, strict=True))
 
 

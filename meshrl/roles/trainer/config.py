@@ -7,9 +7,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from meshrl.columns import (
+    ADVANTAGE,
+    CHECKPOINT,
+    GATE,
+    GEN_BATCH,
+    GEN_S,
+    LOGPROBS,
+    PROMPT,
+    REF_LOGPROBS,
+    RESPONSE,
+    REWARD,
+    SAMPLES,
+    STEP,
+    TOKEN_REWARDS,
+    VALID,
+    VERSION,
+    teacher_columns,
+)
 from meshrl.planning.config import Columns, ServiceConfig
-from meshrl.roles import GATE, SAMPLES
-from meshrl.state.checkpoint import CHECKPOINT
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -151,20 +167,11 @@ class TrainerConfig(ServiceConfig):
         return self.distill_coef > 0 or self.distill_advantage > 0 or self.distill_metric
 
     def columns(self) -> tuple[str, ...]:
-        from meshrl.roles.teacher.config import teacher_columns
-
         cols: tuple[str, ...] = (
-            "prompt",
-            "response",
-            "logprobs",
-            "version",
-            "reward",
-            "token_rewards" if self.value_head else "advantage",
-            "valid",
-            "gen_s",
-            "gen_batch",
-        )
-        cols += ("ref_logprobs",) if self.kl_coef > 0 or self.kl_metric else ()
+            PROMPT, RESPONSE, LOGPROBS, VERSION, REWARD, TOKEN_REWARDS if self.value_head else ADVANTAGE, VALID,
+            GEN_S, GEN_BATCH,
+        )  # fmt: skip
+        cols += (REF_LOGPROBS,) if self.kl_coef > 0 or self.kl_metric else ()
         for name in sorted(self.teachers) if self.distills else ():
             cols += teacher_columns(name)
         return cols
@@ -173,7 +180,7 @@ class TrainerConfig(ServiceConfig):
         return {SAMPLES: self.columns()}
 
     def writes(self) -> Columns:
-        return {GATE: ("version",), CHECKPOINT: ("step",)}
+        return {GATE: (VERSION,), CHECKPOINT: (STEP,)}
 
     def retention(self) -> Columns:
         return {SAMPLES: ("trainer",)}

@@ -8,10 +8,22 @@ from dataclasses import dataclass
 
 import torch
 
+from meshrl.columns import (
+    ADVANTAGE,
+    GEN_BATCH,
+    GEN_S,
+    LOGPROBS,
+    PROMPT,
+    REF_LOGPROBS,
+    RESPONSE,
+    REWARD,
+    SAMPLES,
+    VALID,
+    VERSION,
+    teacher_columns,
+)
 from meshrl.dataplane import Batch, Client, Ragged
 from meshrl.engines.packing import TrainBatch, pack
-from meshrl.roles import SAMPLES
-from meshrl.roles.teacher.config import teacher_columns
 from meshrl.roles.trainer.config import TrainerConfig
 
 CLAIM_POLL_S = 1.0
@@ -30,25 +42,25 @@ class MiniBatch:
 def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
     """Pack a claimed mini-batch for training and copy what the metrics need (loader thread)."""
     packed = pack(
-        batch.ragged("prompt"),
-        batch.ragged("response"),
-        batch.ragged("logprobs"),
+        batch.ragged(PROMPT),
+        batch.ragged(RESPONSE),
+        batch.ragged(LOGPROBS),
         batch["token_rewards" if cfg.value_head else "advantage"],
-        batch.tensor("valid"),
-        ref_logprobs=batch.ragged("ref_logprobs") if "ref_logprobs" in batch else None,
+        batch.tensor(VALID),
+        ref_logprobs=batch.ragged(REF_LOGPROBS) if REF_LOGPROBS in batch else None,
         teachers={
             name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
             for name in (cfg.teachers if cfg.distills else ())
         },
     )
-    versions = batch.tensor("version")
+    versions = batch.tensor(VERSION)
     summary = {
-        "reward": batch.tensor("reward").clone(),
-        "advantage": _row_means(batch["advantage"]) if "advantage" in batch else torch.zeros(len(batch)),
-        "valid": batch.tensor("valid").bool().clone(),
-        "length": batch.ragged("response").lengths.clone(),
-        "gen_s": batch.tensor("gen_s").clone(),
-        "gen_batch": batch.tensor("gen_batch").clone(),
+        "reward": batch.tensor(REWARD).clone(),
+        "advantage": _row_means(batch[ADVANTAGE]) if ADVANTAGE in batch else torch.zeros(len(batch)),
+        "valid": batch.tensor(VALID).bool().clone(),
+        "length": batch.ragged(RESPONSE).lengths.clone(),
+        "gen_s": batch.tensor(GEN_S).clone(),
+        "gen_batch": batch.tensor(GEN_BATCH).clone(),
         "continued": versions[:, 1] != versions[:, 0],
         "group": torch.tensor(batch.meta_of("group", -1), dtype=torch.int64),
     }

@@ -26,15 +26,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
-from meshrl.algorithms.filters import groups_with_signal
 from meshrl.algorithms.losses import AdaptiveKL
+from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, GATE, STEP, VERSION
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch
-from meshrl.roles import GATE
+from meshrl.observe.metrics import JsonlSink
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
+from meshrl.roles.trainer.report import sample_metrics, step_row
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import Service
 from meshrl.runtime.weights import WeightGroup
@@ -112,12 +113,12 @@ class TrainerService(Service):
         self.start_step = 0
         self.nan_streak = 0
         self.kl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-        self.metrics_file = self.ctx.run_dir / "metrics.jsonl"
-        resume = self.ctx.resume
-        if resume is not None:
-            self.resume(resume)
-        elif self.rank == 0:
-            self.metrics_file.write_text("")  # a fresh run starts a fresh file
+        metrics_lines = 0  # a fresh run starts a fresh metrics.jsonl
+        if self.ctx.resume is not None:
+            metrics_lines = self.resume(self.ctx.resume)
+        self.metrics = (
+            JsonlSink(self.ctx.run_dir / "metrics.jsonl", keep=metrics_lines) if self.rank == 0 else None
+        )
 
     @property
     def config(self) -> TrainerConfig:
@@ -292,7 +293,7 @@ class TrainerService(Service):
                 service.local_publish(self.version)
             if gate:
                 meta: list[Any] = [{"final": final, "step": self.version}]
-                self.gate_client.put(GATE, {"version": torch.tensor([self.version])}, meta=meta)
+                self.gate_client.put(GATE, {VERSION: torch.tensor([self.version])}, meta=meta)
             return time.perf_counter() - t0
         weights = self.engine.get_weights(self.config.bucket_mb << 20)
         if self.rank != 0:
@@ -327,7 +328,7 @@ class TrainerService(Service):
         self.published = (version, tensors)
         if gate:
             meta: list[Any] = [{"final": final, "step": version}]
-            self.gate_client.put(GATE, {"version": torch.tensor([version])}, meta=meta)
+            self.gate_client.put(GATE, {VERSION: torch.tensor([version])}, meta=meta)
         self.publish_s = time.perf_counter() - t0
 
     def watch_rejoins(self) -> None:
@@ -402,13 +403,11 @@ class TrainerService(Service):
         })  # fmt: skip
         parts = [p.name for r in self.ctx.topology.replicas for p in r.processes
                  if self.ctx.recipe.group(r.group).config.stateful]  # fmt: skip
-        self.client.put(ckpt.CHECKPOINT, {"step": torch.tensor([step])}, meta=[{"dir": str(tmp)}])
+        self.client.put(CHECKPOINT, {STEP: torch.tensor([step])}, meta=[{"dir": str(tmp)}])
         waiting = set(parts)
         while waiting:
-            batch = self.client.claim(ckpt.CHECKPOINT_ACKS, "trainer", ["step"], 64, timeout=5.0)
-            for s, meta in zip(
-                batch.tensor("step").tolist() if batch else [], batch.meta or [], strict=False
-            ):
+            batch = self.client.claim(CHECKPOINT_ACKS, "trainer", [STEP], 64, timeout=5.0)
+            for s, meta in zip(batch.tensor(STEP).tolist() if batch else [], batch.meta or [], strict=False):
                 if s == step:
                     waiting.discard(str((meta or {}).get("by")))
             if batch:
@@ -418,92 +417,30 @@ class TrainerService(Service):
         self.client.snapshot(tmp / "dataplane")
         ckpt.save_json(tmp / "recipe.json", json.loads((run_dir / "config.json").read_text()))
         final = ckpt.commit(tmp, step, self.ctx.recipe.keep_checkpoints)
-        self.client.put(ckpt.CHECKPOINT, {"step": torch.tensor([step])}, meta=[{ckpt.DONE: True}])
+        self.client.put(CHECKPOINT, {STEP: torch.tensor([step])}, meta=[{ckpt.DONE: True}])
         if self.world > 1:
             dist.barrier()
         self.log.info("checkpoint %s in %.2fs", final.name, time.perf_counter() - t0)
 
-    def resume(self, path: Path) -> None:
+    def resume(self, path: Path) -> int:
+        """Continue from checkpoint `path`; returns the metrics lines written before it."""
         state = ckpt.load_json(path / "trainer.json")
         self.engine.load_checkpoint(str(path / "trainer"))
         self.start_step, self.version = int(state["step"]), int(state["version"])
         self.nan_streak = int(state["nan_streak"])
         self.kl.coef = float(state["kl_coef"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-        if self.rank == 0:
-            ckpt.truncate_jsonl(self.metrics_file, int(state["metrics_lines"]))
         self.log.info("resumed from %s at step %d (version %d)", path, self.start_step, self.version)
+        return int(state["metrics_lines"])
 
     def record(
         self, step: int, parts: list[dict[str, torch.Tensor]], stats: list[dict[str, float]], **times: float
     ) -> None:
         """Reduce the step's per-row summaries over ranks; rank 0 appends a line to metrics.jsonl."""
-        rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        trained = rows["valid"] & ~rows["dropped"]
-        reward, adv = rows["reward"][trained].double(), rows["advantage"][trained].double()
-        lengths, stale = rows["length"].double(), rows["staleness"][~rows["dropped"]].double()
-        gen = dict(zip(rows["gen_batch"].tolist(), rows["gen_s"].tolist(), strict=True))
-        sums = torch.tensor(
-            [
-                float(reward.sum()), float((reward**2).sum()), float(len(reward)), float((~rows["valid"]).sum()),
-                float(adv.sum()), float((adv**2).sum()), float(lengths.sum()), float(len(lengths)),
-                float(stale.sum()), float(len(stale)), float(rows["dropped"].sum()), float(rows["continued"].sum()),
-                float((~groups_with_signal(rows["reward"], rows["group"], rows["valid"])).sum()),
-            ],
-            dtype=torch.float64,
-        )  # fmt: skip
-        maxes = torch.tensor(
-            [float(lengths.max()), float(adv.abs().max()) if len(adv) else 0.0, sum(gen.values()),
-             float(stale.max()) if len(stale) else 0.0],
-            dtype=torch.float64,
-        )  # fmt: skip
-        if self.world > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        if self.rank != 0:
-            return
-        r_sum, r_sq, r_n, failed, a_sum, a_sq, l_sum, l_n, s_sum, s_n, dropped, continued, flat = (
-            sums.tolist()
-        )
-        len_max, adv_max, gen_s, stale_max = maxes.tolist()  # gen_s: ranks may share inference batches
-        mean, a_mean = r_sum / max(r_n, 1), a_sum / max(r_n, 1)
-        merged = {k: sum(x[k] for x in stats) / len(stats) for k in stats[0]} if stats else {}
-        for k in ("nan_skipped", "time/forward_backward_s", "time/optimizer_s"):
-            merged[k] = sum(x.get(k, 0.0) for x in stats)
-        step_s = times["step_s"]
-        compute = gen_s + merged["time/forward_backward_s"] + merged["time/optimizer_s"]
-        row = {
-            "step": step,
-            "version": self.version,
-            "samples": int(l_n),
-            "reward_mean": mean,
-            "reward_std": math.sqrt(max(r_sq / max(r_n, 1) - mean**2, 0.0)),
-            "advantage_mean": a_mean,
-            "advantage_std": math.sqrt(max(a_sq / max(r_n, 1) - a_mean**2, 0.0)),
-            "advantage_absmax": adv_max,
-            "response_len_mean": l_sum / max(l_n, 1),
-            "response_len_max": len_max,
-            "failed": failed,
-            "staleness_mean": s_sum / max(s_n, 1),
-            "staleness_max": stale_max,
-            "dropped_stale": dropped,
-            "no_signal_fraction": flat / max(l_n, 1),
-            "continued": continued,
-            **{k: v for k, v in merged.items() if not k.startswith("time/")},
-            "time/step_s": step_s,
-            "time/generate_s": gen_s,
-            "time/train_s": times["train_s"],
-            "time/forward_backward_s": merged["time/forward_backward_s"],
-            "time/optimizer_s": merged["time/optimizer_s"],
-            "time/sync_s": times["sync_s"],
-            "time/publish_s": self.publish_s,
-            "time/wait_s": times["wait_s"],
-            "time/ring_s": times["ring_s"],
-            "overhead_fraction": max(0.0, 1.0 - compute / step_s) if step_s > 0 else 0.0,
-            "samples_per_s": l_n / step_s if step_s > 0 else 0.0,
-        }
-        with open(self.metrics_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        samples = sample_metrics(parts, dist.group.WORLD if self.world > 1 else None)
+        if self.metrics is not None:
+            times["publish_s"] = self.publish_s
+            self.metrics.write(step_row(step, self.version, samples, stats, times))
 
     def offload(self) -> None:
         self.engine.offload(str(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin"))

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from meshrl.columns import SAMPLES
 from meshrl.dataplane import Client, Ragged
-from meshrl.roles import SAMPLES
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import Loader, MiniBatch
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from meshrl.columns import teacher_columns
 from meshrl.dataplane.ledger import account, written_before
 from meshrl.observe.status import collect
-from meshrl.roles.teacher.config import teacher_columns
 from tests.conftest import free_base_port
 from tests.integration.grpo.test_grpo import REPO, rows, run
 

@@ -1,0 +1,63 @@
+"""The names of the data plane's partitions and columns that services share: the contract between them.
+
+Every service adds columns to rows; none calls another (docs/architecture.md, "Roles and columns"):
+
+    samples   one row per completion
+              rollout      PROMPT; then REWARD, ADVANTAGE, VALID (+ RETURNS for GAE from a critic;
+                           TOKEN_REWARDS instead of ADVANTAGE with the trainer's value head)
+              inference    RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH
+              reference    REF_LOGPROBS          reward model  RM_SCORE
+              critic       VALUES                teacher       teacher_columns(prefix)
+    eval      the same flow for held-out prompts (PROMPT, then inference's columns)
+    gate      the trainer's published weight versions (VERSION), which pace rollout
+    control   run-wide events (EVENT: FINISHED or FAILED)
+    checkpoint, checkpoint_acks   the checkpoint protocol (STEP; meshrl/state/checkpoint.py)
+"""
+
+from __future__ import annotations
+
+# partitions
+SAMPLES = "samples"
+EVAL = "eval"
+GATE = "gate"
+CONTROL = "control"
+CHECKPOINT = "checkpoint"
+CHECKPOINT_ACKS = "checkpoint_acks"
+
+# columns of samples (and eval)
+PROMPT = "prompt"
+"""Prompt token ids."""
+RESPONSE = "response"
+"""Generated token ids, the stop token included."""
+LOGPROBS = "logprobs"
+"""Behaviour log-probability of each response token, under logits / temperature."""
+VERSION = "version"
+"""[first, last] weight version the response was generated with (in `gate`: the published version)."""
+GEN_S = "gen_s"
+"""Seconds of the inference batch that generated the row."""
+GEN_BATCH = "gen_batch"
+"""Id of that inference batch."""
+REWARD = "reward"
+ADVANTAGE = "advantage"
+"""One per sample, or one per response token (GAE)."""
+VALID = "valid"
+"""False when the reward could not be computed: the sample is left out of the loss."""
+RETURNS = "returns"
+TOKEN_REWARDS = "token_rewards"
+"""Per-token rewards, for the trainer's value head to compute advantages from."""
+REF_LOGPROBS = "ref_logprobs"
+RM_SCORE = "rm_score"
+VALUES = "values"
+
+GENERATED = (RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH)
+"""What inference writes."""
+
+# other partitions' columns
+EVENT = "event"
+STEP = "step"
+
+
+def teacher_columns(prefix: str) -> tuple[str, str, str]:
+    """The columns a teacher writes: top-k ids and logprobs ([response_len, k] per row) and the logprob
+    of each sampled response token ([response_len])."""
+    return f"{prefix}_topk_ids", f"{prefix}_topk_logprobs", f"{prefix}_logprobs"

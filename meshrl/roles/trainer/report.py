@@ -1,0 +1,74 @@
+"""The trainer's line of metrics.jsonl for one step: its samples' summaries reduced over every rank,
+the mini-batches' update statistics, and where the step's time went. Metric names and how each
+reduces are in meshrl/observe/metrics.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshrl.algorithms.filters import groups_with_signal
+from meshrl.observe.metrics import Metrics, merged
+
+
+def sample_metrics(parts: list[dict[str, torch.Tensor]], group: Any = None) -> dict[str, float]:
+    """The step's per-sample summaries (one dict of per-row tensors per mini-batch), reduced over the
+    ranks of `group` (None: this process alone)."""
+    rows = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    trained = rows["valid"] & ~rows["dropped"]
+    reward, advantage = rows["reward"][trained], rows["advantage"][trained]
+    stale = rows["staleness"][~rows["dropped"]]
+    lengths = rows["length"]
+    m = Metrics()
+    m.add("samples", float(len(lengths)))
+    for name, values in (("reward", reward), ("advantage", advantage)):
+        m.add(f"{name}_mean", values)
+        m.add(f"{name}_std", values)
+    m.add("advantage_absmax", advantage.double().abs())
+    m.add("response_len_mean", lengths)
+    m.add("response_len_max", lengths.double())
+    m.add("failed", ~rows["valid"])
+    m.add("staleness_mean", stale)
+    m.add("staleness_max", stale.double())
+    m.add("dropped_stale", rows["dropped"])
+    m.add("no_signal_fraction", ~groups_with_signal(rows["reward"], rows["group"], rows["valid"]))
+    m.add("continued", rows["continued"])
+    # each inference batch once (rows of one batch share its time); ranks may share batches: the max
+    gen = dict(zip(rows["gen_batch"].tolist(), rows["gen_s"].tolist(), strict=True))
+    m.add("time/generate_s", sum(gen.values()))
+    return m.reduce(group)
+
+
+def step_row(
+    step: int,
+    version: int,
+    samples: dict[str, float],
+    updates: list[dict[str, float]],
+    times: dict[str, float],
+) -> dict[str, Any]:
+    """The metrics.jsonl line: `samples` (reduced over ranks), the mini-batches' update statistics
+    (already global) merged, and the step's timings (`step_s`, `train_s`, `sync_s`, `publish_s`, `wait_s`,
+    `ring_s`)."""
+    update = merged(updates)
+    fb, opt = update.pop("time/forward_backward_s", 0.0), update.pop("time/optimizer_s", 0.0)
+    update.setdefault("nan_skipped", 0.0)
+    gen_s, step_s, n = samples["time/generate_s"], times["step_s"], samples["samples"]
+    return {
+        "step": step,
+        "version": version,
+        **{k: v for k, v in samples.items() if not k.startswith("time/")},
+        "samples": int(n),
+        **update,
+        "time/step_s": step_s,
+        "time/generate_s": gen_s,
+        "time/train_s": times["train_s"],
+        "time/forward_backward_s": fb,
+        "time/optimizer_s": opt,
+        "time/sync_s": times["sync_s"],
+        "time/publish_s": times["publish_s"],
+        "time/wait_s": times["wait_s"],
+        "time/ring_s": times["ring_s"],
+        "overhead_fraction": max(0.0, 1.0 - (gen_s + fb + opt) / step_s) if step_s > 0 else 0.0,
+        "samples_per_s": n / step_s if step_s > 0 else 0.0,
+    }
