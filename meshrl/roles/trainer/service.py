@@ -2,9 +2,9 @@
 
 Every rank of the trainer replica claims its own share of each mini-batch straight from the data plane
 (consumer name "trainer", whole groups), so no rank ever forwards samples to another. A loader thread
-claims and packs the next mini-batch while the current one trains (`Loader`). After each step
-rank 0 publishes the new weight version to the inference replicas from a background thread, which then
-writes the gate row; rank 0 also appends the step's metrics to <run_dir>/metrics.jsonl.
+claims and packs the next mini-batch while the current one trains (`loader.py`). After each step
+rank 0 publishes the new weight version to the inference replicas, which then opens the gate
+(`publish.py`), and appends the step's metrics to <run_dir>/metrics.jsonl (`report.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import dataclasses
 import json
 import math
 import shutil
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.losses import AdaptiveKL
-from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, GATE, STEP, VERSION
+from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, STEP
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch
@@ -35,10 +33,9 @@ from meshrl.observe.metrics import JsonlSink
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
+from meshrl.roles.trainer.publish import Publisher
 from meshrl.roles.trainer.report import sample_metrics, step_row
-from meshrl.runtime import hybrid
 from meshrl.runtime.service import Service
-from meshrl.runtime.weights import WeightGroup
 from meshrl.state import checkpoint as ckpt
 
 
@@ -82,33 +79,8 @@ class TrainerService(Service):
         # the actor-critic computes GAE with the rollout's settings (the planner checked there is one)
         self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)
         self.client = self.ctx.client()
-        self.weights: WeightGroup | None = None
         self.loader: Loader | None = None
-        self.publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publisher")
-        self.publish_s = 0.0
-        if self.rank == 0:
-            self.gate_client = self.ctx.client(f"{self.ctx.name}-gate")
-        # inference in this very process (a hybrid ring) generates with self.engine's model: publishing
-        # to it is setting its version; to any other, a broadcast
-        self.local = [s for s in (hybrid.peer(g) for g in cfg.inference) if s is not None]
-        if self.rank == 0 and not self.local:
-            members = [r for r in self.ctx.topology.replicas if r.group in cfg.inference]
-            whost, wport = replica.weights_endpoint
-            # every receiver on this host, on CPU: the tensors go through one shared-memory segment (in
-            # the data plane's directory, named like this process's own segments, so it is cleaned up
-            # with them), and the group only synchronises
-            pool = self.client.core.pool
-            local = all(p.host == whost for m in members for p in m.processes)
-            shm = None
-            if self.ctx.device.type == "cpu" and pool is not None and local:
-                shm = (pool.directory, f"{pool.prefix}-weights")
-            self.weights = WeightGroup(
-                self.ctx.address(whost), wport, 0, 1 + len(members), device=str(self.ctx.device), shm=shm
-            )
-            threading.Thread(target=self.watch_rejoins, name="rejoins", daemon=True).start()
-        self.published: tuple[int, list[torch.Tensor] | None] | None = None  # rank 0: the last version sent
-        self.queued: Future[None] | None = None  # the last task on the publisher (publication or re-send)
-        self.publish_lock = threading.Lock()
+        self.publisher = Publisher(self.ctx, self.engine, cfg.inference, cfg.bucket_mb, self.client.core.pool)
         self.version = 0
         self.start_step = 0
         self.nan_streak = 0
@@ -164,11 +136,7 @@ class TrainerService(Service):
             if every and (step + 1) % every == 0 and step + 1 < total:
                 with self.device_turn():
                     self.checkpoint(step + 1)
-        if self.queued is not None:
-            self.queued.result()
-        self.publisher.shutdown(cancel_futures=True)  # no more re-sends: the receivers are told to stop
-        if self.weights is not None:
-            self.weights.close()
+        self.publisher.finish()
         self.client.flush()  # the acks first: closing the loader's connection hands back its open claims
         if self.loader is not None:
             self.loader.close()  # the mini-batches claimed ahead go back to the pool
@@ -278,85 +246,10 @@ class TrainerService(Service):
         }
 
     def publish(self, *, final: bool, gate: bool = True) -> float:
-        """Publish the current weights as `self.version` and open the gate for it.
-
-        The gather (collective over the trainer's ranks), a copy and the announcement happen here, so
-        replicas start loading at once; the broadcast, the wait until every replica has the version,
-        and the gate row happen on the publisher thread, so training goes on while replicas receive.
-        Publications stay in order: a new one waits for the previous one.
-        """
-        t0 = time.perf_counter()
-        if self.config.off_policy == "decoupled":
+        """Publish the current weights as `self.version` (see publish.py); returns the seconds taken here."""
+        if self.config.off_policy == "decoupled":  # the proximal policy of the coming step's loss
             self.engine.snapshot()
-        if self.local:
-            for service in self.local:
-                service.local_publish(self.version)
-            if gate:
-                meta: list[Any] = [{"final": final, "step": self.version}]
-                self.gate_client.put(GATE, {VERSION: torch.tensor([self.version])}, meta=meta)
-            return time.perf_counter() - t0
-        weights = self.engine.get_weights(self.config.bucket_mb << 20)
-        if self.rank != 0:
-            for _ in weights:  # take part in the gather
-                pass
-            return time.perf_counter() - t0
-        assert self.weights is not None
-        manifest = self.engine.manifest()
-        with self.publish_lock:  # a re-send asked for meanwhile queues behind this publication
-            if self.queued is not None:
-                self.queued.result()  # the previous publication is complete (or raises its failure)
-            self.published = None  # at most one copy of the weights waits here
-            if self.weights.shm is not None:  # copied into shared memory right here, no other copy
-                self.weights.stage(manifest, list(weights))
-                copies = None
-            else:
-                copies = [t.detach().clone() for t in weights]
-            # announced from this thread: a hand-off to the publisher first would wait for the GIL
-            # while this thread goes on with the step's bookkeeping (2-3 ms per step measured here)
-            self.weights.post(self.version, manifest, copies, bucket_bytes=self.config.bucket_mb << 20)
-            self.queued = self.publisher.submit(self._send, self.version, copies, final, gate)
-        return time.perf_counter() - t0
-
-    def _send(self, version: int, tensors: list[torch.Tensor] | None, final: bool, gate: bool = True) -> None:
-        """Publisher thread: the rest of the publication `publish` announced (the tensors are the copy,
-        or None: staged in shared memory): the broadcast if any, the wait until every replica has the
-        version, then the gate. What was sent stays for a replica that re-joins before the next version
-        (the copy, or the segment)."""
-        assert self.weights is not None
-        t0 = time.perf_counter()
-        self.weights.finish()
-        self.published = (version, tensors)
-        if gate:
-            meta: list[Any] = [{"final": final, "step": version}]
-            self.gate_client.put(GATE, {VERSION: torch.tensor([version])}, meta=meta)
-        self.publish_s = time.perf_counter() - t0
-
-    def watch_rejoins(self) -> None:
-        """Thread (rank 0): an inference replica restarted on its own asks to re-join the weight group;
-        send it the version already published, on the publisher thread, so it can serve at once (in
-        lock-step the trainer may be waiting for the very samples that replica was generating)."""
-        assert self.weights is not None
-        asked = 0
-        while True:
-            asked += 1
-            self.weights.wait_for_join(asked)
-            with self.publish_lock:
-                try:
-                    self.queued = self.publisher.submit(self._resend, self.queued)
-                except RuntimeError:  # the publisher has shut down: training is over
-                    return
-
-    def _resend(self, before: Future[None] | None) -> None:
-        """Publisher thread: the last version again, to a group re-formed with the replicas that asked to
-        join (unless a publication since took them in). A failure of the task before surfaces there."""
-        assert self.weights is not None
-        if before is not None:
-            before.result()  # done already (one worker, in order): its failure must not be lost
-        if self.published is None or not self.weights.rejoin_pending():
-            return
-        version, tensors = self.published
-        self.log.info("sending weights version %d again for a re-joined inference replica", version)
-        self.weights.send(version, self.engine.manifest(), tensors, bucket_bytes=self.config.bucket_mb << 20)
+        return self.publisher.publish(self.version, final=final, gate=gate)
 
     # ---------------------------------------------------------------------------------------------------
     # checkpoints (the protocol is described in meshrl/state/checkpoint.py)
@@ -385,8 +278,7 @@ class TrainerService(Service):
         t0 = time.perf_counter()
         run_dir = self.ctx.run_dir
         if self.rank == 0:
-            if self.queued is not None:
-                self.queued.result()  # the gate of this version is in the data plane
+            self.publisher.wait()  # the gate of this version is in the data plane
             self.client.flush()  # and so are this step's acks
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -439,7 +331,7 @@ class TrainerService(Service):
         """Reduce the step's per-row summaries over ranks; rank 0 appends a line to metrics.jsonl."""
         samples = sample_metrics(parts, dist.group.WORLD if self.world > 1 else None)
         if self.metrics is not None:
-            times["publish_s"] = self.publish_s
+            times["publish_s"] = self.publisher.publish_s
             self.metrics.write(step_row(step, self.version, samples, stats, times))
 
     def offload(self) -> None:
@@ -450,9 +342,7 @@ class TrainerService(Service):
 
     def close(self) -> None:
         if hasattr(self, "publisher"):
-            self.publisher.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self, "gate_client"):
-            self.gate_client.close()
+            self.publisher.close()
         if hasattr(self, "client"):
             self.client.close()
         if dist.is_initialized():
