@@ -2,7 +2,10 @@
 
 A Hugging Face checkpoint is what evaluation, inference and the next run load (`save_pretrained`): the
 full state dict is gathered to rank 0 and written through an HF model built on the meta device, so the
-files are exactly those `from_pretrained` expects. The actor-critic's value head is not part of that
+files are exactly those `from_pretrained` expects. It is the same kind of model the user started from
+(`carry_over`): the source's generation config (several EOS ids, recommended sampling settings) with
+the KV cache on, its tokenizer files and chat template as they were, and its other files (custom
+code, a README) come along; the model config keeps its fields, with the cache on. The actor-critic's value head is not part of that
 model; it goes beside it in VALUE_HEAD_FILE (the policy loads without it) and `value_head` reads it back.
 
 A sharded checkpoint is the trainer's (or critic's) part of a run checkpoint (`meshrl/state/checkpoint.py`
@@ -14,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,10 +48,11 @@ def value_head(model: Any, model_path: str) -> torch.nn.Linear:
 
 
 def save_pretrained(
-    model: Any, hf_config: Any, path: str, *, critic: bool, rank: int, tokenizer_from: str | None = None
+    model: Any, hf_config: Any, path: str, *, critic: bool, rank: int, source: str | None = None
 ) -> None:
     """`model` (the engine's, sharded or not) as a Hugging Face checkpoint of a causal LM, or with
-    `critic` a token classifier (collective; rank 0 writes), with the tokenizer of `tokenizer_from`."""
+    `critic` a token classifier (collective; rank 0 writes), carrying over what else `source` (the
+    model it was trained from) holds."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if dist.is_initialized():
@@ -55,7 +61,7 @@ def save_pretrained(
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if rank == 0:
         from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         head: dict[str, Any] = {
             k.removeprefix("value_head."): state.pop(k) for k in list(state) if k.startswith("value_head.")
@@ -65,12 +71,39 @@ def save_pretrained(
             shell = auto.from_config(hf_config)
         shell.load_state_dict(state, assign=True)
         shell.tie_weights()
-        shell.config.use_cache = True
+        shell.config.use_cache = True  # the engine turned it off to train; its generation config follows
+        if getattr(shell, "generation_config", None) is not None:
+            shell.generation_config.use_cache = True
         shell.save_pretrained(path)
         if head:
             save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, VALUE_HEAD_FILE))
-        if tokenizer_from is not None:
-            AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+        if source is not None:
+            carry_over(source, path)
+
+
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
+"""Endings of weight files (and their shard indexes), which a saved checkpoint writes anew."""
+
+
+def carry_over(source: str, path: str) -> None:
+    """Into the checkpoint directory `path` (weights and config written), what it keeps of the model it
+    was trained from: every file of `source` that is neither weights nor the model config, as it is
+    (tokenizer files, chat template, custom code, a README), and its generation config with the KV
+    cache on (several EOS ids, sampling settings). A source without tokenizer files gets its
+    tokenizer saved the usual way."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    src, out = Path(source), Path(path)
+    if src.is_dir():
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHTS):
+                shutil.copyfile(f, out / f.name)
+    if (src / "generation_config.json").exists():
+        generation = GenerationConfig.from_pretrained(source)
+        generation.use_cache = True
+        generation.save_pretrained(path)
+    if not (out / "tokenizer_config.json").exists():
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
 
 
 def save_sharded(model: Any, optimizer: torch.optim.Optimizer, steps: int, path: str) -> None:

@@ -344,11 +344,12 @@ class FSDPEngine:
         parameters at a time (`gather.full_tensors`)."""
         yield from full_tensors([p for _, p in self._policy_parameters()], self.world, bucket_bytes)
 
-    def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
-        """A Hugging Face checkpoint that from_pretrained loads (collective; rank 0 writes)."""
+    def save_pretrained(self, path: str, source: str | None = None) -> None:
+        """A Hugging Face checkpoint that from_pretrained loads (collective; rank 0 writes), with what it
+        keeps of `source`, the model it was trained from (`checkpoints.carry_over`)."""
         critic = self.head == "value"
         checkpoints.save_pretrained(
-            self.model, self.hf_config, path, critic=critic, rank=self.rank, tokenizer_from=tokenizer_from
+            self.model, self.hf_config, path, critic=critic, rank=self.rank, source=source
         )
 
     def save_checkpoint(self, path: str) -> None:

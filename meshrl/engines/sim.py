@@ -124,5 +124,5 @@ class SimTrainEngine:
     def get_weights(self, bucket_bytes: int = 0) -> Iterator[torch.Tensor]:
         yield self.weights
 
-    def save_pretrained(self, path: str, tokenizer_from: str | None = None) -> None:
+    def save_pretrained(self, path: str, source: str | None = None) -> None:
         pass

@@ -93,7 +93,7 @@ class CriticService(Service):
         asyncio.run(self.serve())
         self.state.remove()  # the run is over: nothing to re-join
         if self.config.save_final:
-            self.engine.save_pretrained(str(self.ctx.run_dir / "critic"), tokenizer_from=self.config.model)
+            self.engine.save_pretrained(str(self.ctx.run_dir / "critic"), source=self.config.model)
 
     async def serve(self) -> None:
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)

@@ -131,7 +131,7 @@ class TrainerService(Service):
                 last_line = now
                 sync_s = self.publish(final=step == total - 1)
                 if step == total - 1 and cfg.save_final:  # still holding the devices, if in a ring
-                    self.engine.save_pretrained(str(self.ctx.run_dir / "final"), tokenizer_from=cfg.model)
+                    self.engine.save_pretrained(str(self.ctx.run_dir / "final"), source=cfg.model)
             self.ctx.health.info.update(step=step + 1, version=self.version)
             if every and (step + 1) % every == 0 and step + 1 < total:
                 with self.device_turn():

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from meshrl.engines.checkpoints import carry_over
 from meshrl.tasks import arith
 
 IGNORE = -100
@@ -286,8 +287,9 @@ def train(cfg: SFTConfig, log: Callable[[dict], None] | None = None) -> dict:
                         "elapsed_s": time.monotonic() - start,
                     }
                 )
+    model.config.use_cache = True
     model.save_pretrained(cfg.out)
-    tokenizer.save_pretrained(cfg.out)
+    carry_over(cfg.model, cfg.out)  # the start's generation config, tokenizer files, chat template
     result["elapsed_s"] = time.monotonic() - start
     return result
 
