@@ -3,9 +3,12 @@
     meshrl queue serve --controller tcp://127.0.0.1:5555                # controller + local storage
     meshrl queue serve --storage-only --controller tcp://HOST0:5555 --storage tcp://0.0.0.0:5556
 
-Off-loopback endpoints need the run's secret in MESHRL_SECRET. `--ready-file` receives a JSON line with
-the bound endpoints once both servers serve (port 0 picks a free port). SIGTERM/SIGINT stop cleanly, and
-the storage server removes this run's segments from shared memory on the way out.
+Off-loopback endpoints need the run's secret in MESHRL_SECRET. `--ready-file` receives a JSON line once
+both servers serve: the bound endpoints ("controller", "storage"; port 0 picks a free port) and, when
+the controller runs here, its run id ("run": every segment of the run is named `meshrl-<run>-...`, and a
+controller restored from a snapshot keeps the snapshot's id), so that a launcher can sweep what a run
+left in shared memory. SIGTERM/SIGINT stop cleanly, and the storage server removes this run's segments
+from shared memory on the way out.
 
 The signal handler does nothing: the kernel-level handler writes the signal's number to a pipe
 (`signal.set_wakeup_fd`) that the main thread waits on. A handler must not take a lock: a second signal
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         servers.append(ctl)
         ready["controller"] = ctl.endpoint
+        ready["run"] = ctl.run
         threading.Thread(target=ctl.serve_forever, name="controller", daemon=True).start()
     if not args.no_storage:
         controller = ready.get("controller", args.controller)

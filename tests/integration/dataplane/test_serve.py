@@ -1,4 +1,4 @@
-"""`meshrl queue serve` as a process: how it stops."""
+"""`meshrl queue serve` as a process: what its ready file says, and how it stops."""
 
 from __future__ import annotations
 
@@ -55,6 +55,27 @@ def stopped(proc: subprocess.Popen, since: float) -> tuple[float, str]:
         out = proc.communicate()[0]
         raise AssertionError(f"the server did not stop within 10 s of SIGTERM:\n{out[-3000:]}") from None
     return time.monotonic() - since, out
+
+
+def test_the_ready_file_names_the_run_its_segments_carry_and_a_restore_keeps_it(tmp_path):
+    proc, ready, shm = serve(tmp_path / "first")
+    snap = tmp_path / "snap"
+    try:
+        assert set(ready) == {"controller", "storage", "run"}
+        put_rows(ready["controller"])
+        left = os.listdir(shm)
+        assert left and all(name.startswith(f"meshrl-{ready['run']}-") for name in left), left
+        with Client(ready["controller"]) as c:
+            c.snapshot(snap)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stopped(proc, time.monotonic())
+    restored, again, _ = serve(tmp_path / "second", "--restore", str(snap))
+    try:
+        assert again["run"] == ready["run"]
+    finally:
+        restored.send_signal(signal.SIGTERM)
+        stopped(restored, time.monotonic())
 
 
 def test_a_second_sigterm_inside_the_handler_stops_the_server_promptly(tmp_path):
