@@ -410,7 +410,7 @@ class Controller:
 
     def _timers(self) -> None:
         now = time.monotonic()
-        for what in self.parking.due(now):
+        while (what := self.parking.pop_due(now)) is not None:
             if not isinstance(what, Parked):
                 self._lease_due(*what, now)
             elif isinstance(what.msg, P.Claim):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,9 +80,9 @@ class Parking:
         p.done = True
         return p
 
-    def due(self, now: float) -> Iterator[Parked | LeaseKey]:
-        """Deadlines up to `now`, in order: parked requests, taken off their queue (answer them now), and
-        leases (check they are still held and unrenewed)."""
+    def pop_due(self, now: float) -> Parked | LeaseKey | None:
+        """The next deadline up to `now`, or None: a parked request, taken off its queue (answer it now),
+        or a lease (check it is still held and was not renewed)."""
         while self.timers and self.timers[0][0] <= now:
             _, _, what = heapq.heappop(self.timers)
             if isinstance(what, Parked):
@@ -91,4 +91,5 @@ class Parking:
                 what.done = True
                 queues = self.claims if isinstance(what.msg, P.Claim) else self.puts
                 queues[what.msg.partition].remove(what)
-            yield what
+            return what
+        return None
