@@ -2,8 +2,9 @@
 
 A claim that no ready rows can serve yet, and a put into a full partition, are parked: queued per
 partition in arrival order and answered when the controller can serve them, or at their timeout. Clients
-never poll. The deadlines of parked requests and of leases share one heap; an entry whose request was
-answered, or whose lease was acked or renewed, is skipped when it comes due.
+never poll. The deadlines of parked requests and of leases share one heap; when an entry comes due, one
+whose request was answered meanwhile is skipped here, and the controller skips one whose lease was
+acked or renewed.
 """
 
 from __future__ import annotations
