@@ -20,7 +20,7 @@ import zmq.asyncio
 from meshrl.dataplane import protocol as P
 from meshrl.dataplane.batch import Batch
 from meshrl.dataplane.core import ClientCore, DataPlaneError, raise_for
-from meshrl.dataplane.rpc import AsyncRpcClient
+from meshrl.dataplane.rpc_client import AsyncRpcClient
 from meshrl.dataplane.wire import connect_client
 
 

@@ -34,7 +34,7 @@ from meshrl.dataplane.core import (
     UnknownPartition,
     raise_for,
 )
-from meshrl.dataplane.rpc import RpcClient
+from meshrl.dataplane.rpc_client import RpcClient
 from meshrl.dataplane.wire import connect_client
 
 __all__ = ["Client", "DataPlaneError", "LeaseExpired", "PartitionFull", "PendingPut", "UnknownPartition"]

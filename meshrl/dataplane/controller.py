@@ -1,8 +1,11 @@
 """The controller: one process holding the data plane's metadata, serving every client.
 
-A single event loop over plain sockets (`rpc.py`) makes every request atomic without locks. A claim
-that cannot be served yet is parked and answered the moment rows become ready (or at its timeout); a
-put into a full partition is parked until rows are deleted. Clients never poll. Leases that expire return their rows.
+A single event loop over plain sockets (`rpc.py`) makes every request atomic without locks. Each request
+type has one handler here; the state they work on lives beside: the partitions (`table.py`), the
+segments their rows reference (`segments.py`), and requests that wait (`parking.py`): a claim that
+cannot be served yet is parked and answered the moment rows become ready (or at its timeout), a put into
+a full partition is parked until rows are deleted. Clients never poll. Leases that expire return their
+rows.
 
 Malformed or hostile frames are answered with an `Error` (or dropped when they cannot even be routed)
 and logged; nothing a peer sends can stop the loop.
@@ -12,16 +15,12 @@ Run standalone with `meshrl queue serve`, or in-process with `start_controller` 
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import logging
-import os
 import secrets
-import struct
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,36 +30,24 @@ import zmq
 
 from meshrl.dataplane import protocol as P
 from meshrl.dataplane import snapshot as snap
+from meshrl.dataplane.columns import locate
+from meshrl.dataplane.consumers import Consumer
 from meshrl.dataplane.ledger import Ledger
+from meshrl.dataplane.parking import Parked, Parking
+from meshrl.dataplane.protocol import TableError
 from meshrl.dataplane.rpc import Connection, RpcServer
+from meshrl.dataplane.segments import Segments
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.storage import StorageLinks
-from meshrl.dataplane.table import Consumer, Partition, SegmentInfo, TableError
+from meshrl.dataplane.table import Partition
 from meshrl.dataplane.wire import host_id
 
 log = logging.getLogger("meshrl.controller")
 
-_I32 = struct.Struct("<i")
-MAX_RELEASED_PER_CLIENT = 64
 PUT_KEYS = 4096  # idempotency keys remembered (a producer repeats at most its last few puts)
 STORAGE_TIMEOUT_S = 600.0
 
-
-@dataclass
-class ClientInfo:
-    host: str
-    pid: int
-    released: list[str] = field(default_factory=list)
-    alive: bool = True
-
-
-@dataclass
-class Parked:
-    conn: Connection
-    rid: bytes
-    msg: Any
-    deadline: float
-    done: bool = False
+Handler = Callable[[Connection, bytes, Any], msgspec.Struct | None]
 
 
 class Controller:
@@ -82,20 +69,13 @@ class Controller:
         self.host = host_id()
         self.run = run or secrets.token_hex(4)
         self.partitions: dict[str, Partition] = {}
-        self.segments: dict[int, SegmentInfo] = {}
-        self.seg_by_name: dict[str, int] = {}
-        self.clients: dict[str, ClientInfo] = {}
         self.storage = StorageLinks(self.ctx, secret, STORAGE_TIMEOUT_S)
+        self.segments = Segments(self.host, shm_dir, self.storage)
         # claims by the connection that made them: a connection that ends (its process died, or closed
         # its client) gives its unacknowledged rows back at once instead of when their leases run out
         self.claims_of: dict[Connection, set[tuple[str, str, int]]] = {}
-        self.parked_claims: dict[str, deque[Parked]] = {}
-        self.parked_puts: dict[str, deque[Parked]] = {}
-        # deadlines of leases and parked requests: (when, sequence, what); stale entries are skipped
-        self.timers: list[tuple[float, int, Any]] = []
-        self._seq = 0
+        self.parking = Parking()
         self.next_id = 0
-        self.next_seg = 0
         self.next_claim = 1
         self.put_keys: OrderedDict[str, bytes] = OrderedDict()  # idempotency key -> ids, the latest
         self.started = time.monotonic()
@@ -103,9 +83,28 @@ class Controller:
         self._waiting_hosts: set[str] = set()
         self._deferred: list[tuple[Connection, bytes, bytes]] = []
         self.ledger = ledger
+        self._handlers: dict[type, Handler] = {
+            P.Put: self._put,
+            P.Claim: self._claim,
+            P.Ack: self._ack,
+            P.Release: self._release,
+            P.Renew: self._renew,
+            P.Delete: self._delete_rows,
+            P.CreatePartition: self._create,
+            P.Status: lambda *_: self.status(),
+            P.Hello: self._hello,
+            P.Bye: self._bye,
+            P.Snapshot: self._snapshot,
+        }
         if restore is not None:
             self._waiting_hosts = snap.load_controller(self, Path(restore))
             log.info("restored from %s; waiting for storage on %s", restore, sorted(self._waiting_hosts))
+        self._segment_prefix = f"meshrl-{self.run}-"  # every segment of the run (a restored run: its own)
+
+    @property
+    def parked_claims(self) -> dict[str, deque[Parked]]:
+        """Per partition, the claims waiting for rows."""
+        return self.parking.claims
 
     # ---------------------------------------------------------------------------------------------------
     # loop
@@ -113,7 +112,7 @@ class Controller:
     def serve_forever(self) -> None:
         try:
             while not self._stop.is_set():
-                self.server.poll(self._next_timeout())
+                self.server.poll(self.parking.timeout(0.1))
                 self._timers()
         finally:
             self.close()
@@ -127,21 +126,6 @@ class Controller:
         if self.ledger is not None:
             self.ledger.close()
         self.ctx.term()
-
-    def _next_timeout(self) -> float:
-        deadline = time.monotonic() + 0.1
-        if self.timers:
-            deadline = min(deadline, self.timers[0][0])
-        return max(0.0, deadline - time.monotonic()) + 0.0005
-
-    def _at(self, when: float, what: Any) -> None:
-        self._seq += 1
-        heapq.heappush(self.timers, (when, self._seq, what))
-
-    def _park(self, queue: deque[Parked], conn: Connection, rid: bytes, msg: Any, timeout: float) -> None:
-        p = Parked(conn, rid, msg, time.monotonic() + min(max(timeout, 0.0), 86400.0))
-        queue.append(p)
-        self._at(p.deadline, p)
 
     def _dispatch(self, conn: Connection, rid: bytes, body: bytes) -> None:
         if self._waiting_hosts:
@@ -166,7 +150,10 @@ class Controller:
             self._reply(conn, rid, P.Error("bad_request", f"undecodable request: {e}"))
             return
         try:
-            reply = self._apply(conn, rid, msg)
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise P.ProtocolError(f"{type(msg).__name__} is not a controller request")
+            reply = handler(conn, rid, msg)
         except TableError as e:
             reply = P.Error(e.code, str(e))
         except (P.ProtocolError, ValueError, OverflowError) as e:
@@ -181,74 +168,15 @@ class Controller:
         self.server.send(conn, rid, P.encode(reply))
 
     # ---------------------------------------------------------------------------------------------------
-    # requests
+    # requests: one handler each, (connection, request id, request) -> reply, or None to answer later
 
-    def _apply(self, conn: Connection, rid: bytes, msg: Any) -> msgspec.Struct | None:
-        if isinstance(msg, P.Put):
-            return self._put(conn, rid, msg)
-        if isinstance(msg, P.Claim):
-            return self._claim(conn, rid, msg)
-        if isinstance(msg, P.Ack):
-            part = self._partition(msg.partition)
-            c = self._consumer_of(part, msg.consumer)
-            ids = None if msg.ids is None else P.int64s(msg.ids, "ids")
-            lease = c.leases.get(msg.claim)
-            n, due = part.ack(c, msg.claim, ids)
-            if self.ledger is not None and self.ledger.tracks(part.name) and lease is not None:
-                acked = ids if ids is not None else np.concatenate([ch.ids for ch in lease.chunks])
-                self.ledger.ack(part.name, c.name, acked)
-            if len(due):
-                self._delete(part, due)
-            return P.Ok(n) if msg.reply else None
-        if isinstance(msg, P.Release):
-            part = self._partition(msg.partition)
-            c = self._consumer_of(part, msg.consumer)
-            if msg.claim not in c.leases:
-                raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
-            back = part.expire(c, msg.claim)
-            self._serve_claims(part)
-            return P.Ok(back)
-        if isinstance(msg, P.Renew):
-            part = self._partition(msg.partition)
-            c = self._consumer_of(part, msg.consumer)
-            lease = c.leases.get(msg.claim)
-            if lease is None:
-                raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
-            lease.deadline = time.monotonic() + _positive(msg.lease, "lease")
-            self._at(lease.deadline, (part.name, c.name, msg.claim))
-            return P.Ok(lease.n)
-        if isinstance(msg, P.Delete):
-            part = self._partition(msg.partition)
-            ids = P.int64s(msg.ids, "ids")
-            slots = part.slots_of(ids, strict=False)
-            if self.ledger is not None and self.ledger.tracks(part.name):
-                self.ledger.delete(part.name, ids[slots >= 0])
-            return P.Ok(self._delete(part, np.unique(slots[slots >= 0])))
-        if isinstance(msg, P.CreatePartition):
-            return self._create(msg)
-        if isinstance(msg, P.Status):
-            return self.status()
-        if isinstance(msg, P.Hello):
-            return self._hello(msg)
-        if isinstance(msg, P.Bye):
-            info = self.clients.get(msg.client)
-            if info is not None:
-                info.alive = False
-                self._unlink(info.host, info.released)
-                info.released = []
-            return P.Ok()
-        if isinstance(msg, P.Snapshot):
-            snap.save(self, Path(msg.path))
-            return P.Ok()
-        raise P.ProtocolError(f"{type(msg).__name__} is not a controller request")
-
-    def _hello(self, msg: P.Hello) -> P.HelloReply:
+    def _hello(self, conn: Connection, rid: bytes, msg: P.Hello) -> P.HelloReply:
         P.check_name(msg.client, "client")
         if msg.role == "storage":
             self.storage.register(msg.host, msg.endpoint)
             self._waiting_hosts.discard(msg.host)
         else:
-            self.clients[msg.client] = ClientInfo(msg.host, msg.pid)
+            self.segments.hello(msg.client, msg.host, msg.pid)
         return P.HelloReply(
             run=self.run,
             shm_dir=self.shm_dir,
@@ -257,7 +185,15 @@ class Controller:
             local=self.server.local_endpoint,
         )
 
-    def _create(self, msg: P.CreatePartition) -> P.Ok:
+    def _bye(self, conn: Connection, rid: bytes, msg: P.Bye) -> P.Ok:
+        self.segments.bye(msg.client)
+        return P.Ok()
+
+    def _snapshot(self, conn: Connection, rid: bytes, msg: P.Snapshot) -> P.Ok:
+        snap.save(self, Path(msg.path))
+        return P.Ok()
+
+    def _create(self, conn: Connection, rid: bytes, msg: P.CreatePartition) -> P.Ok:
         P.check_name(msg.partition, "partition")
         for name in msg.delete_when_acked_by:
             P.check_name(name, "consumer")
@@ -273,8 +209,7 @@ class Controller:
         self.partitions[msg.partition] = Partition(
             msg.partition, msg.capacity, list(msg.delete_when_acked_by)
         )
-        self.parked_claims[msg.partition] = deque()
-        self.parked_puts[msg.partition] = deque()
+        self.parking.open(msg.partition)
         return P.Ok()
 
     def _partition(self, name: str) -> Partition:
@@ -291,47 +226,36 @@ class Controller:
 
     def _put(self, conn: Connection, rid: bytes, msg: P.Put) -> msgspec.Struct | None:
         part = self._partition(msg.partition)
-        if not P.check_segment_name(msg.segment.name).startswith(f"meshrl-{self.run}-"):
-            raise P.ProtocolError(f"segment {msg.segment.name!r} does not belong to run {self.run}")
+        name = msg.segment.name
+        known = name in self.segments.by_name  # a segment handed back for reuse was checked when first put
+        if not known and not P.check_segment_name(name).startswith(self._segment_prefix):
+            raise P.ProtocolError(f"segment {name!r} does not belong to run {self.run}")
         if msg.segment.size < 0:
             raise P.ProtocolError("negative segment size")
         if msg.key is not None and not 0 < len(msg.key) <= P.MAX_KEY:
             raise P.ProtocolError(f"put key must be 1 to {P.MAX_KEY} characters, got {len(msg.key)}")
+        parked = self.parking.puts[part.name]
         if msg.ids is None and not part.can_put(msg.n):
             if msg.n > part.capacity:
                 raise TableError(
                     "full", f"put of {msg.n} rows can never fit partition {part.name!r} of {part.capacity}"
                 )
             if msg.timeout > 0:
-                self._park(self.parked_puts[part.name], conn, rid, msg, msg.timeout)
+                self.parking.park(parked, conn, rid, msg, msg.timeout)
                 return None
             raise TableError("full", _full_message(part, msg.timeout))
-        if self.parked_puts[part.name] and msg.ids is None:  # keep FIFO order behind parked producers
-            self._park(self.parked_puts[part.name], conn, rid, msg, msg.timeout)
+        if parked and msg.ids is None:  # keep FIFO order behind parked producers
+            self.parking.park(parked, conn, rid, msg, msg.timeout)
             return None
         return self._do_put(part, msg)
 
     def _do_put(self, part: Partition, msg: P.Put) -> P.PutReply:
-        client = self.clients.get(msg.client)
         if msg.key is not None and (done := self.put_keys.get(msg.key)) is not None:
             # a repeat of an applied put: the same ids, nothing written, the segment back to its owner
-            back = [msg.segment.name]
-            if client is not None:
-                back, client.released = back + client.released, []
-            return P.PutReply(ids=done, released=back)
-        index = self.seg_by_name.get(msg.segment.name)
-        if index is None:
-            index = self.next_seg
-            info = SegmentInfo(msg.segment, msg.client)
-        else:
-            info = self.segments[index]
-            if info.refs or info.owner != msg.client or info.ref != msg.segment:
-                raise TableError("conflict", f"segment {msg.segment.name} is in use by live rows")
+            return P.PutReply(ids=done, released=[msg.segment.name, *self.segments.released(msg.client)])
+        index, info = self.segments.for_put(msg.segment, msg.client)
         ids, refs = part.put(index, msg.segment, msg.n, msg.columns, msg.ids, msg.meta, self.next_id)
-        if index == self.next_seg:
-            self.next_seg += 1
-            self.segments[index] = info
-            self.seg_by_name[msg.segment.name] = index
+        self.segments.add(index, info, refs)
         if self.ledger is not None and self.ledger.tracks(part.name):
             names = [c.name for c in msg.columns]
             if msg.ids is None:
@@ -340,11 +264,8 @@ class Controller:
                 self.ledger.set(part.name, names, ids)
         if msg.ids is None:
             self.next_id += msg.n
-        info.refs += refs
-        released: list[str] = []
-        if client is not None:
-            released, client.released = client.released, []
-        reply = P.PutReply(ids=ids.astype("<i8").tobytes(), released=released)
+        released = self.segments.released(msg.client)
+        reply = P.PutReply(ids=ids.astype("<i8", copy=False).tobytes(), released=released)
         if msg.key is not None:
             self.put_keys[msg.key] = reply.ids
             if len(self.put_keys) > PUT_KEYS:
@@ -368,7 +289,7 @@ class Controller:
         if reply is not None:
             return reply
         if msg.timeout > 0:
-            self._park(self.parked_claims[part.name], conn, rid, msg, msg.timeout)
+            self.parking.park(self.parking.claims[part.name], conn, rid, msg, msg.timeout)
             return None
         return _empty_claim()
 
@@ -383,12 +304,66 @@ class Controller:
         if chunk is None:
             return None
         self.next_claim += 1
-        self._at(c.leases[claim_id].deadline, (part.name, c.name, claim_id))
+        self.parking.at(c.leases[claim_id].deadline, (part.name, c.name, claim_id))
         mine = self.claims_of.setdefault(conn, set())
         if len(mine) >= 1024:  # forget the finished ones
             mine -= {k for k in mine if not self._has_lease(*k)}
         mine.add((part.name, c.name, claim_id))
-        return self._claim_reply(part, c, claim_id, chunk.ids, chunk.slots)
+        segments, columns = locate(part.columns, c.columns, chunk.slots, self.segments.ref)
+        return P.ClaimReply(
+            claim=claim_id,
+            ids=chunk.ids.astype("<i8", copy=False).tobytes(),
+            segments=segments,
+            columns=columns,
+            meta=[part.meta[s] for s in chunk.slots.tolist()] if part.meta_rows else None,
+        )
+
+    def _ack(self, conn: Connection, rid: bytes, msg: P.Ack) -> P.Ok | None:
+        part = self._partition(msg.partition)
+        c = self._consumer_of(part, msg.consumer)
+        ids = None if msg.ids is None else P.int64s(msg.ids, "ids")
+        lease = c.leases.get(msg.claim)
+        n, due = part.ack(c, msg.claim, ids)
+        if self.ledger is not None and self.ledger.tracks(part.name) and lease is not None:
+            acked = ids if ids is not None else np.concatenate([ch.ids for ch in lease.chunks])
+            self.ledger.ack(part.name, c.name, acked)
+        if len(due):
+            self._delete(part, due)
+        return P.Ok(n) if msg.reply else None
+
+    def _release(self, conn: Connection, rid: bytes, msg: P.Release) -> P.Ok:
+        part = self._partition(msg.partition)
+        c = self._consumer_of(part, msg.consumer)
+        if msg.claim not in c.leases:
+            raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
+        back = part.expire(c, msg.claim)
+        self._serve_claims(part)
+        return P.Ok(back)
+
+    def _renew(self, conn: Connection, rid: bytes, msg: P.Renew) -> P.Ok:
+        part = self._partition(msg.partition)
+        c = self._consumer_of(part, msg.consumer)
+        lease = c.leases.get(msg.claim)
+        if lease is None:
+            raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
+        lease.deadline = time.monotonic() + _positive(msg.lease, "lease")
+        self.parking.at(lease.deadline, (part.name, c.name, msg.claim))
+        return P.Ok(lease.n)
+
+    def _delete_rows(self, conn: Connection, rid: bytes, msg: P.Delete) -> P.Ok:
+        part = self._partition(msg.partition)
+        ids = P.int64s(msg.ids, "ids")
+        slots = part.slots_of(ids, strict=False)
+        if self.ledger is not None and self.ledger.tracks(part.name):
+            self.ledger.delete(part.name, ids[slots >= 0])
+        return P.Ok(self._delete(part, np.unique(slots[slots >= 0])))
+
+    def _delete(self, part: Partition, slots: np.ndarray) -> int:
+        n, dropped = part.delete_slots(slots)
+        self.segments.drop(dropped)
+        if n:
+            self._serve_puts(part)
+        return n
 
     def _has_lease(self, pname: str, cname: str, claim_id: int) -> bool:
         part = self.partitions.get(pname)
@@ -406,115 +381,23 @@ class Controller:
                      cname, conn.peer, back)  # fmt: skip
             self._serve_claims(part)
 
-    def _claim_reply(
-        self, part: Partition, c: Consumer, claim_id: int, ids: np.ndarray, slots: np.ndarray
-    ) -> P.ClaimReply:
-        seg_list: list[P.SegmentRef] = []
-        seg_pos: dict[int, int] = {}
-        columns = []
-        n = len(slots)
-        for name in c.columns:
-            col = part.columns[name]
-            assert col.dtype is not None
-            segs = col.seg[slots]
-            first = int(segs[0])
-            if n == 1 or not np.count_nonzero(segs != first):  # the usual case: rows of one write
-                pos = seg_pos.get(first)
-                if pos is None:
-                    pos = seg_pos[first] = len(seg_list)
-                    seg_list.append(self.segments[first].ref)
-                segment = _I32.pack(pos) * n
-            else:
-                uniq, inverse = np.unique(segs, return_inverse=True)
-                where = np.empty(len(uniq), dtype="<i4")
-                for k, s in enumerate(uniq.tolist()):
-                    if s not in seg_pos:
-                        seg_pos[s] = len(seg_list)
-                        seg_list.append(self.segments[s].ref)
-                    where[k] = seg_pos[s]
-                segment = where[inverse].tobytes()
-            columns.append(
-                P.ColumnRead(
-                    name=name,
-                    dtype=col.dtype,
-                    shape=col.shape,
-                    ragged=col.ragged,
-                    segment=segment,
-                    offset=col.off[slots].tobytes(),  # little-endian arrays (see `Partition.declare`)
-                    length=col.length[slots].tobytes(),
-                )
-            )
-        return P.ClaimReply(
-            claim=claim_id,
-            ids=ids.astype("<i8", copy=False).tobytes(),
-            segments=seg_list,
-            columns=columns,
-            meta=[part.meta[s] for s in slots.tolist()] if part.meta_rows else None,
-        )
-
-    def _delete(self, part: Partition, slots: np.ndarray) -> int:
-        n, dropped = part.delete_slots(slots)
-        for index, k in dropped.items():
-            info = self.segments[index]
-            info.refs -= k
-            if info.refs == 0:
-                self._release(index, info)
-        if n:
-            self._serve_puts(part)
-        return n
-
-    def _release(self, index: int, info: SegmentInfo) -> None:
-        client = self.clients.get(info.owner)
-        if client is not None and client.alive and len(client.released) < MAX_RELEASED_PER_CLIENT:
-            client.released.append(info.ref.name)  # the producer recycles it
-            return
-        del self.segments[index]
-        del self.seg_by_name[info.ref.name]
-        self._unlink(info.ref.host, [info.ref.name])
-
-    def _unlink(self, host: str, names: list[str]) -> None:
-        if not names:
-            return
-        for name in names:
-            index = self.seg_by_name.pop(name, None)
-            if index is not None:
-                self.segments.pop(index, None)
-        if self.storage.unlink(host, names):
-            return
-        if host == self.host:  # no storage server here (embedded use): the files are ours to remove
-            for name in names:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.shm_dir, P.check_segment_name(name)))
-        else:
-            log.warning("no storage server on %s to free %d segments", host, len(names))
-
     # ---------------------------------------------------------------------------------------------------
     # parked requests and leases
 
     def _serve_claims(self, part: Partition) -> None:
-        queue = self.parked_claims[part.name]
-        if not queue:
+        if not self.parking.claims[part.name]:
             return
-        keep: deque[Parked] = deque()
-        while queue:
-            p = queue.popleft()
-            if p.conn.closed:  # the waiter went away: leave the rows for others
-                p.done = True
-                continue
-            c = part.consumers[p.msg.consumer]
-            reply = self._try_claim(p.conn, part, c, p.msg)
-            if reply is None:
-                keep.append(p)
-            else:
-                p.done = True
+
+        def serve(p: Parked) -> bool:
+            reply = self._try_claim(p.conn, part, part.consumers[p.msg.consumer], p.msg)
+            if reply is not None:
                 self._reply(p.conn, p.rid, reply)
-        self.parked_claims[part.name] = keep
+            return reply is not None
+
+        self.parking.serve_claims(part.name, serve)
 
     def _serve_puts(self, part: Partition) -> None:
-        queue = self.parked_puts[part.name]
-        while queue and part.can_put(queue[0].msg.n):
-            p = queue.popleft()
-            p.done = True
+        while (p := self.parking.next_put(part.name, len(part.free))) is not None:
             if p.conn.closed:
                 continue
             try:
@@ -527,41 +410,33 @@ class Controller:
 
     def _timers(self) -> None:
         now = time.monotonic()
-        while self.timers and self.timers[0][0] <= now:
-            _, _, what = heapq.heappop(self.timers)
-            if isinstance(what, Parked):
-                if what.done:
-                    continue
-                what.done = True
-                pname = what.msg.partition
-                if isinstance(what.msg, P.Claim):
-                    self.parked_claims[pname].remove(what)
-                    self._reply(what.conn, what.rid, _empty_claim())
-                else:
-                    self.parked_puts[pname].remove(what)
-                    part = self.partitions[pname]
-                    self._reply(what.conn, what.rid, P.Error("full", _full_message(part, what.msg.timeout)))
-                continue
-            pname, cname, claim_id = what
-            owner = self.partitions.get(pname)
-            c = owner.consumers.get(cname) if owner else None
-            lease = c.leases.get(claim_id) if c else None
-            if owner is None or c is None or lease is None or lease.deadline > now:
-                continue  # acked, or renewed (a newer entry exists)
-            back = owner.expire(c, claim_id)
-            log.info(
-                "lease of claim %d (%s/%s) expired; %d rows back in the pool", claim_id, pname, cname, back
-            )
-            self._serve_claims(owner)
+        while (what := self.parking.pop_due(now)) is not None:
+            if not isinstance(what, Parked):
+                self._lease_due(*what, now)
+            elif isinstance(what.msg, P.Claim):
+                self._reply(what.conn, what.rid, _empty_claim())
+            else:
+                part = self.partitions[what.msg.partition]
+                self._reply(what.conn, what.rid, P.Error("full", _full_message(part, what.msg.timeout)))
+
+    def _lease_due(self, pname: str, cname: str, claim_id: int, now: float) -> None:
+        part = self.partitions.get(pname)
+        c = part.consumers.get(cname) if part else None
+        lease = c.leases.get(claim_id) if c else None
+        if part is None or c is None or lease is None or lease.deadline > now:
+            return  # acked, or renewed (a newer entry exists)
+        back = part.expire(c, claim_id)
+        log.info("lease of claim %d (%s/%s) expired; %d rows back in the pool", claim_id, pname, cname, back)
+        self._serve_claims(part)
 
     def status(self) -> P.StatusReply:
         return P.StatusReply(
             partitions=[
-                part.status(len(self.parked_puts[name]), len(self.parked_claims[name]))
+                part.status(len(self.parking.puts[name]), len(self.parking.claims[name]))
                 for name, part in self.partitions.items()
             ],
             segments=len(self.segments),
-            clients=sum(1 for c in self.clients.values() if c.alive),
+            clients=self.segments.alive_clients(),
             uptime_s=time.monotonic() - self.started,
         )
 

@@ -44,6 +44,14 @@ class ProtocolError(ValueError):
     """A request that is well-formed msgpack but violates the protocol's rules."""
 
 
+class TableError(Exception):
+    """A request the controller's table refuses; `code` goes back as the `Error` reply's code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 # ---------------------------------------------------------------------------------------------------------
 # shared pieces
 

@@ -9,18 +9,18 @@ Frame: u32 little-endian body length, 8-byte request id, body. The server speaks
 `MESHRL1` + an auth flag + a 32-byte nonce; when the server holds a secret the client must answer with
 HMAC-SHA256(secret, nonce) before anything else, and a wrong or missing answer closes the connection.
 Frames above `MAX_FRAME` or a garbled stream close that connection only; the server keeps serving.
+
+Here: the frame format, both halves of the handshake, the spin-then-sleep wait both ends use (`Spin`),
+and the server. The clients' end is `rpc_client.py`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
-import itertools
 import logging
 import os
-import select
 import selectors
 import socket
 import struct
@@ -41,12 +41,6 @@ MAX_FRAME = 64 << 20
 SPIN_FLOOR_S = 50e-6
 SPIN_CAP_S = 500e-6
 RECV_BYTES = 1 << 20
-RECV_CHUNK = 1 << 16
-_RIDS = itertools.count(1)  # request ids, unique within this process (0 is the auth answer's)
-
-
-def _rid() -> bytes:
-    return next(_RIDS).to_bytes(8, "little")
 
 
 class Spin:
@@ -79,7 +73,7 @@ class Spin:
         self.i = (self.i + 1) & 3
 
 
-def _address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
+def address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
     if endpoint.startswith("ipc://@"):  # Linux's abstract namespace: no file, gone with its last socket
         return socket.AF_UNIX, "\0" + endpoint[len("ipc://@") :]
     if endpoint.startswith("ipc://"):
@@ -92,7 +86,7 @@ def _address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
     raise ValueError(f"endpoint {endpoint!r} must start with tcp:// or ipc://")
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -163,7 +157,7 @@ class RpcServer:
 
     def _listen(self, endpoint: str) -> str:
         """Bind and register a listening socket; returns the endpoint it is reachable at."""
-        family, addr = _address(endpoint)
+        family, addr = address(endpoint)
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             if isinstance(addr, str):
@@ -216,7 +210,7 @@ class RpcServer:
             except (BlockingIOError, InterruptedError):
                 return
             sock.setblocking(False)
-            _tune(sock)
+            tune(sock)
             nonce = os.urandom(32) if self.secret else None
             if sock.family == socket.AF_UNIX and hasattr(socket, "SO_PEERCRED"):
                 pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
@@ -317,189 +311,3 @@ class RpcServer:
         self.sel.close()
         for listener in self.listeners:
             listener.close()
-
-
-class RpcClient:
-    """Blocking requests over one connection; several may be in flight, replies are matched by id.
-
-    The socket stays in blocking mode and every wait goes through `select` with the time left: a socket
-    with a Python-level timeout would add a `poll` before each call, and switching modes costs a call too.
-    Replies are read in large chunks into a buffer, so a small reply is one `recv`.
-    """
-
-    def __init__(self, endpoint: str, secret: str | None, timeout: float) -> None:
-        family, addr = _address(endpoint)
-        self.endpoint = endpoint
-        self.stash: dict[bytes, bytes] = {}
-        self.rbuf = bytearray()
-        self.spin = Spin()
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(addr)
-        except OSError as e:
-            self.sock.close()
-            raise ConnectionError(f"cannot reach the data-plane controller at {endpoint}: {e}") from e
-        _tune(self.sock)
-        self.sock.settimeout(None)
-        try:
-            deadline = time.monotonic() + timeout
-            while len(self.rbuf) < GREETING_LEN:
-                self._fill(deadline)
-            greeting = bytes(self.rbuf[:GREETING_LEN])
-            del self.rbuf[:GREETING_LEN]
-            reply = answer(secret, greeting)
-            if reply:
-                self.sock.sendall(HEADER.pack(len(reply), bytes(8)) + reply)
-        except TimeoutError:
-            self.sock.close()
-            raise ConnectionError(f"the data-plane controller at {endpoint} did not greet") from None
-        except BaseException:
-            self.sock.close()
-            raise
-
-    def _spin(self, start: float) -> None:
-        """Wait briefly for the reply without sleeping (see `Spin`)."""
-        spin_until = start + self.spin.budget()
-        while time.perf_counter() < spin_until:
-            os.sched_yield()
-            r, _, _ = select.select([self.sock], [], [], 0)
-            if r:
-                return
-
-    def _fill(self, deadline: float | None) -> bool:
-        """Append what the socket holds to the buffer. Without a deadline, never block (returns whether
-        anything came); with one, wait for data until then (TimeoutError)."""
-        try:
-            data = self.sock.recv(RECV_CHUNK, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            if deadline is None:
-                return False
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
-                raise TimeoutError(f"no reply from {self.endpoint}") from None
-            data = self.sock.recv(RECV_CHUNK)
-        if not data:
-            raise ConnectionError(f"the controller at {self.endpoint} closed the connection")
-        self.rbuf += data
-        return True
-
-    def _frame(self) -> tuple[bytes, bytes] | None:
-        """The next whole reply in the buffer as (request id, body), or None."""
-        buf = self.rbuf
-        if len(buf) < HEADER.size:
-            return None
-        length, rid = HEADER.unpack_from(buf)
-        end = HEADER.size + length
-        if len(buf) < end:
-            return None
-        body = bytes(buf[HEADER.size : end])
-        del buf[:end]
-        return rid, body
-
-    def send(self, body: bytes) -> bytes:
-        """Send a request without waiting; returns its id for `wait`."""
-        rid = _rid()
-        self.sock.sendall(HEADER.pack(len(body), rid) + body)
-        return rid
-
-    def wait(self, rid: bytes, timeout: float) -> bytes:
-        """The reply to request `rid`. Replies to other requests that arrive first are kept for later.
-
-        After a timeout or error the stream may hold half a frame: drop this connection.
-        """
-        if rid in self.stash:
-            return self.stash.pop(rid)
-        deadline = time.monotonic() + timeout
-        start = time.perf_counter()
-        waited = False
-        if len(self.rbuf) < HEADER.size:
-            self._spin(start)
-            waited = True
-        while True:
-            frame = self._frame()
-            if frame is None:
-                self._fill(deadline)
-                waited = True
-                continue
-            got, body = frame
-            if got == rid:
-                if waited:
-                    self.spin.record(time.perf_counter() - start)
-                return body
-            self.stash[got] = body
-
-    def poll(self) -> None:
-        """Read every reply that has already arrived into the stash, without blocking."""
-        while self._fill(None):
-            pass
-        while (frame := self._frame()) is not None:
-            self.stash[frame[0]] = frame[1]
-
-    def call(self, body: bytes, timeout: float) -> bytes:
-        return self.wait(self.send(body), timeout)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class AsyncRpcClient:
-    """Many requests in flight over one connection; a reader task routes replies by id."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, endpoint: str) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.endpoint = endpoint
-        self.pending: dict[bytes, asyncio.Future[bytes]] = {}
-        self.task = asyncio.create_task(self._read())
-
-    @classmethod
-    async def connect(cls, endpoint: str, secret: str | None, timeout: float) -> AsyncRpcClient:
-        _, addr = _address(endpoint)
-        try:
-            if isinstance(addr, str):
-                opening = asyncio.open_unix_connection(addr)
-            else:
-                opening = asyncio.open_connection(*addr)
-            reader, writer = await asyncio.wait_for(opening, timeout)
-        except OSError as e:
-            raise ConnectionError(f"cannot reach the data-plane controller at {endpoint}: {e}") from e
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            _tune(sock)
-        greeting = await asyncio.wait_for(reader.readexactly(GREETING_LEN), timeout)
-        reply = answer(secret, greeting)
-        if reply:
-            writer.write(HEADER.pack(len(reply), bytes(8)) + reply)
-        return cls(reader, writer, endpoint)
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                length, rid = HEADER.unpack(await self.reader.readexactly(HEADER.size))
-                data = await self.reader.readexactly(length)
-                fut = self.pending.get(rid)
-                if fut is not None and not fut.done():
-                    fut.set_result(data)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            err = ConnectionError(f"the controller at {self.endpoint} closed the connection")
-            for fut in self.pending.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            del e
-
-    async def call(self, body: bytes, timeout: float) -> bytes:
-        rid = _rid()
-        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.pending[rid] = fut
-        try:
-            self.writer.write(HEADER.pack(len(body), rid) + body)
-            return await asyncio.wait_for(fut, timeout)
-        finally:
-            self.pending.pop(rid, None)
-
-    async def close(self) -> None:
-        self.task.cancel()
-        self.writer.close()
-        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
-            await self.writer.wait_closed()

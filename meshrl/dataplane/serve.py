@@ -3,9 +3,18 @@
     meshrl queue serve --controller tcp://127.0.0.1:5555                # controller + local storage
     meshrl queue serve --storage-only --controller tcp://HOST0:5555 --storage tcp://0.0.0.0:5556
 
-Off-loopback endpoints need the run's secret in MESHRL_SECRET. `--ready-file` receives a JSON line with
-the bound endpoints once both servers serve (port 0 picks a free port). SIGTERM/SIGINT stop cleanly, and
-the storage server removes this run's segments from shared memory on the way out.
+Off-loopback endpoints need the run's secret in MESHRL_SECRET. `--ready-file` receives a JSON line once
+both servers serve: the bound endpoints ("controller", "storage"; port 0 picks a free port) and, when
+the controller runs here, its run id ("run": every segment of the run is named `meshrl-<run>-...`, and a
+controller restored from a snapshot keeps the snapshot's id), so that a launcher can sweep what a run
+left in shared memory. SIGTERM/SIGINT stop cleanly, and the storage server removes this run's segments
+from shared memory on the way out.
+
+The signal handler does nothing: the kernel-level handler writes the signal's number to a pipe
+(`signal.set_wakeup_fd`) that the main thread waits on. A handler must not take a lock: a second signal
+arriving while the first handler holds one runs the handler again on the same thread, which then waits
+for itself forever (seen with `threading.Event.set`: a controller orphaned by a SIGKILLed launcher got
+its launcher's SIGTERM, then the parent-death SIGTERM, and hung for good).
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ import os
 import signal
 import threading
 from pathlib import Path
+from types import FrameType
 
 from meshrl.dataplane.controller import Controller
 from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.storage import Storage
 from meshrl.runtime.supervise import die_with_parent
+
+STOP = {signal.SIGTERM, signal.SIGINT}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         servers.append(ctl)
         ready["controller"] = ctl.endpoint
+        ready["run"] = ctl.run
         threading.Thread(target=ctl.serve_forever, name="controller", daemon=True).start()
     if not args.no_storage:
         controller = ready.get("controller", args.controller)
@@ -70,15 +83,13 @@ def main(argv: list[str] | None = None) -> None:
         ready["storage"] = st.endpoint
         threading.Thread(target=st.serve_forever, name="storage", daemon=True).start()
 
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    stop = _stop_signals()
     if args.ready_file:
         tmp = Path(args.ready_file + ".tmp")
         tmp.write_text(json.dumps(ready) + "\n")
         tmp.replace(args.ready_file)
     logging.getLogger("meshrl.queue").info("serving %s", ready)
-    while not done.wait(0.5):  # a timed wait: the signal handler runs within half a second, always
+    while not STOP & set(os.read(stop, 64)):  # blocks until a signal's number arrives
         pass
     for s in reversed(servers):  # storage first: it unlinks segments while the controller still answers
         s.stop()
@@ -94,6 +105,21 @@ def main(argv: list[str] | None = None) -> None:
     # still holds (seen once under load as a 30 s hang after SIGTERM); everything is flushed above.
     logging.shutdown()
     os._exit(0)
+
+
+def _stop_signals() -> int:
+    """Route SIGTERM and SIGINT to a pipe; returns its read end (see the module's docstring)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)  # the kernel-level handler must never block
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    for sig in STOP:
+        signal.signal(sig, _noted)
+    return r
+
+
+def _noted(signum: int, frame: FrameType | None) -> None:
+    """The Python-level handler, run on the main thread after the wakeup pipe got the signal: nothing
+    is left to do, and it must take no lock."""
 
 
 if __name__ == "__main__":

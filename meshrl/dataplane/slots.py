@@ -1,7 +1,7 @@
 """Where a partition's rows sit: which slots are free, and which slot holds a row id.
 
 Both keep per-put state rather than per-row state, so a 256-row put or delete costs a few vectorised
-operations. Used only by `table.Partition`, from the controller's single thread.
+operations. Used by `table.Partition` (and a restore, `snapshot.py`), from the controller's single thread.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,17 +18,9 @@ import msgspec
 import numpy as np
 
 from meshrl.dataplane import protocol as P
+from meshrl.dataplane.consumers import ACKED, CLAIMED, NOT_READY, PARTIAL, READY
 from meshrl.dataplane.slots import FreeSlots
-from meshrl.dataplane.table import (
-    ACKED,
-    CLAIMED,
-    NOT_READY,
-    PARTIAL,
-    READY,
-    Consumer,
-    Partition,
-    SegmentInfo,
-)
+from meshrl.dataplane.table import Partition
 
 if TYPE_CHECKING:
     from meshrl.dataplane.controller import Controller
@@ -92,7 +83,7 @@ def save(ctl: Controller, path: Path) -> None:
                 if has[k]:
                     if s not in live:
                         live[s] = len(refs)
-                        refs.append(ctl.segments[s].ref)
+                        refs.append(ctl.segments.ref(s))
                     seg[k] = live[s]
             cols.append(
                 ColumnState(
@@ -153,11 +144,7 @@ def load_controller(ctl: Controller, path: Path) -> set[str]:
         ctl.ledger.truncate(int(json.loads((path / LEDGER_FILE).read_text())["offset"]))
     ctl.next_id = state.next_id
     ctl.next_claim = state.next_claim
-    for i, ref in enumerate(state.segments):
-        P.check_segment_name(ref.name)
-        ctl.segments[i] = SegmentInfo(ref, owner=f"storage:{ref.host}")
-        ctl.seg_by_name[ref.name] = i
-    ctl.next_seg = len(state.segments)
+    ctl.segments.restore(state.segments)
     for ps in state.partitions:
         _load_partition(ctl, ps)
     return {ref.host for ref in state.segments}
@@ -166,8 +153,7 @@ def load_controller(ctl: Controller, path: Path) -> set[str]:
 def _load_partition(ctl: Controller, ps: PartitionState) -> None:
     part = Partition(ps.name, ps.capacity, ps.delete_when_acked_by)
     ctl.partitions[ps.name] = part
-    ctl.parked_claims[ps.name] = deque()
-    ctl.parked_puts[ps.name] = deque()
+    ctl.parking.open(ps.name)
     ids = np.frombuffer(ps.ids, dtype="<i8")
     n = len(ids)
     slots = np.arange(n, dtype=np.int64)
@@ -191,13 +177,9 @@ def _load_partition(ctl: Controller, ps: PartitionState) -> None:
         col.off[:n] = np.frombuffer(cs.offset, dtype="<i8")
         col.length[:n] = np.frombuffer(cs.length, dtype="<i8")
         for s in seg[has].tolist():
-            ctl.segments[s].refs += 1
+            ctl.segments.info[s].refs += 1
     for cons in ps.consumers:
-        need = 0
-        for name in cons.columns:
-            need |= 1 << part.declare(name).bit
-        c = Consumer(cons.name, cons.columns, need, cons.group_size, np.zeros(part.capacity, dtype=np.int8))
-        part.consumers[cons.name] = c
+        c = part.add_consumer(cons.name, cons.columns, cons.group_size)
         st = np.frombuffer(cons.state, dtype=np.int8)
         c.state[:n] = np.where(st == ACKED, ACKED, NOT_READY)
-        part.mark_ready(c, slots[st == READY])
+        c.mark_ready(slots[st == READY])

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from meshrl.dataplane import protocol as P
-from meshrl.dataplane.rpc import RpcClient
+from meshrl.dataplane.rpc_client import RpcClient
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR, MapCache
 from meshrl.dataplane.wire import bind_server, connect_client, host_id
 
