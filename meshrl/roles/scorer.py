@@ -8,52 +8,18 @@ trainer, whose claim lists that column, only ever sees rows that have it; nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
-from meshrl.planning.recipe import Columns, ServiceConfig, require
 from meshrl.roles import SAMPLES
+from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.runtime.service import Service
 
-if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+__all__ = ["ScorerConfig", "ScorerService", "put_missing", "put_missing_async"]
 
 LEASE_S = 300.0  # a replica that hangs gives its claimed rows back after this long (one that dies: at once)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScorerConfig(ServiceConfig):
-    rejoins = True  # frozen: a restarted replica just claims rows again
-
-    model: str
-    """Local path of the frozen model."""
-    loader_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to from_pretrained."""
-    max_batch: int = 64
-    """Rows per claim."""
-    max_tokens: int = 8192
-    """Padded tokens per forward (rows are sorted by length and packed up to this budget)."""
-    threads: int = 0
-    """torch threads (0: leave the default)."""
-
-    def __post_init__(self) -> None:
-        require(self.max_batch >= 1, "max_batch", "must be >= 1")
-        require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
-
-    def reads(self) -> Columns:
-        return {SAMPLES: ("prompt", "response")}
-
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
-        problems = []
-        if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist")
-        if group.devices_per_replica > 1:
-            problems.append("devices_per_replica: a scoring replica runs on one device (add replicas)")
-        return problems
 
 
 def token_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:

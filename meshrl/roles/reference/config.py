@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from meshrl.planning.recipe import Columns
 from meshrl.roles import SAMPLES
-from meshrl.roles.scorer import ScorerConfig
+from meshrl.roles.scorer_config import ScorerConfig
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from meshrl.planning.recipe import Columns
 from meshrl.roles import SAMPLES
-from meshrl.roles.scorer import ScorerConfig
+from meshrl.roles.scorer_config import ScorerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
