@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import logging
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         _log(
             f"warning: {threads} threads after the imports (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
         )
+    # what the children inherit stays out of their garbage collector's passes, which would otherwise
+    # touch (and so copy) its pages in every child: half the memory of a run, a faster start
+    gc.freeze()
     zygote.serve()
 
 
