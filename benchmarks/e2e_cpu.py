@@ -127,7 +127,7 @@ def run(
         raise SystemExit(f"run failed ({proc.returncode}):\n{err[-4000:]}")
     ready = re.search(r"service processes ready in ([0-9.]+)s", out)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    steady = metrics[args.warmup :]
+    steady = metrics[min(args.warmup, len(metrics) - 1) :]  # a short run (--steps 5): its last steps
     step_s = sum(m["time/step_s"] for m in steady)
     compute = sum(m["time/generate_s"] + m["time/forward_backward_s"] + m["time/optimizer_s"] for m in steady)
     samples = sum(m["samples_per_s"] * m["time/step_s"] for m in steady)

@@ -8,7 +8,7 @@ USAGE = """usage: meshrl COMMAND [ARGS]
 
 commands:
   demo                                       the main job: a tiny model learns arithmetic by GRPO
-  run RECIPE [--devices N] [key=value ...]   run a recipe on this host (wraps torchrun)
+  run RECIPE [--devices N] [key=value ...]   run a recipe on this host (Ctrl-C stops it)
   launch RECIPE [key=value ...]              one launcher of a multi-host run (under torchrun -m meshrl)
   sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run

@@ -28,7 +28,9 @@ def prepare(
     recipe with an invalid override is planned without it, so its other problems show too)."""
     recipe, problems = apply_overrides(read_recipe(path), overrides)
     if devices is None:
-        devices = local_devices(max(1, devices_needed(recipe)))
+        from meshrl.dataplane.wire import host_id
+
+        devices = local_devices(max(1, devices_needed(recipe)), host_id())
     try:
         topology = plan(recipe, devices)
     except RecipeError as e:

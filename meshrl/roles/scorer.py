@@ -8,55 +8,18 @@ trainer, whose claim lists that column, only ever sees rows that have it; nothin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from meshrl.columns import PROMPT, RESPONSE, SAMPLES
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
-from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.runtime.service import Service
 
-if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+__all__ = ["ScorerConfig", "ScorerService", "put_missing", "put_missing_async"]
 
 LEASE_S = 300.0  # a replica that hangs gives its claimed rows back after this long (one that dies: at once)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScorerConfig(ServiceConfig):
-    rejoins = True  # frozen: a restarted replica just claims rows again
-
-    model: str
-    """Local path of the frozen model."""
-    loader_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Passed to from_pretrained."""
-    max_batch: int = 64
-    """Rows per claim."""
-    max_tokens: int = 8192
-    """Padded tokens per forward (rows are sorted by length and packed up to this budget)."""
-    threads: int = 0
-    """torch threads (0: leave the default)."""
-
-    def validate(self) -> Iterator[str]:
-        if self.max_batch < 1:
-            yield "max_batch: must be >= 1"
-        if self.max_tokens < 1:
-            yield "max_tokens: must be >= 1"
-
-    def reads(self) -> Columns:
-        return {SAMPLES: (PROMPT, RESPONSE)}
-
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
-        problems = []
-        if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist")
-        if group.devices_per_replica > 1:
-            problems.append("devices_per_replica: a scoring replica runs on one device (add replicas)")
-        return problems
 
 
 def token_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
@@ -142,7 +105,9 @@ class ScorerService(Service):
         kept = put_missing(self.client, SAMPLES, columns, batch.ids)
         if kept:
             self.log.info(
-                "%d of %d rows were already scored (by a process before this one)", kept, len(batch)
+                "%d of %d rows were scored already (by a process before this one) or are gone",
+                kept,
+                len(batch),
             )
 
     def offload(self) -> None:
@@ -161,21 +126,26 @@ class ScorerService(Service):
 
 
 def put_missing(client: Client, partition: str, columns: dict[str, Any], ids: Any) -> int:
-    """Put `columns` into rows `ids`, keeping any row that already has them: one an earlier process of
-    the same replica wrote before it died unacknowledged (a frozen model writes the same values).
-    Returns how many rows were kept as they were."""
+    """Put `columns` into rows `ids`, except into rows that already have them or are gone. Both happen to
+    rows handed out again after they were written: by an earlier process of the same replica that died
+    before its ack, or by a resumed run whose checkpoint caught the rows between this service's put and
+    its ack (stateless services keep working while the data plane is snapshotted: the snapshot holds the
+    column written and the claim open, and a restore makes such rows ready again). The rows' other
+    consumers see the column meanwhile and may take them to the end, deleted once the last of them
+    acknowledges. A frozen model (or seeded sampling) writes the same values: such rows need nothing
+    more. Returns how many rows were left as they were."""
     try:
         client.put(partition, columns, ids=ids)
         return 0
     except DataPlaneError as e:
-        if e.code != "conflict":
+        if not _written_or_gone(e):
             raise
     kept = 0
-    for k in range(len(ids)):  # rare (after a crash): row by row, the written ones refuse
+    for k in range(len(ids)):  # rare (after a crash or a resume): row by row, the written or gone ones refuse
         try:
             client.put(partition, {c: _row(v, k) for c, v in columns.items()}, ids=ids[k : k + 1])
         except DataPlaneError as e:
-            if e.code != "conflict":
+            if not _written_or_gone(e):
                 raise
             kept += 1
     return kept
@@ -187,17 +157,23 @@ async def put_missing_async(client: AsyncClient, partition: str, columns: dict[s
         await client.put(partition, columns, ids=ids)
         return 0
     except DataPlaneError as e:
-        if e.code != "conflict":
+        if not _written_or_gone(e):
             raise
     kept = 0
     for k in range(len(ids)):
         try:
             await client.put(partition, {c: _row(v, k) for c, v in columns.items()}, ids=ids[k : k + 1])
         except DataPlaneError as e:
-            if e.code != "conflict":
+            if not _written_or_gone(e):
                 raise
             kept += 1
     return kept
+
+
+def _written_or_gone(e: DataPlaneError) -> bool:
+    """A put refused for a row that has the column already (`conflict`) or no longer exists (the table's
+    "unknown row ids": rows are only deleted once their consumers are done with them)."""
+    return e.code == "conflict" or (e.code == "bad_request" and "unknown row ids" in str(e))
 
 
 def _row(value: Any, k: int) -> Any:

@@ -1,12 +1,19 @@
-"""The SPMD launcher: one per device, started by torchrun (`meshrl run` wraps it on one host).
+"""The launcher: starts the processes of a run on its host, waits until they are ready, supervises them.
 
+    meshrl run recipes/grpo_arith.py                    # one host: one launcher, in the meshrl run process
     torchrun --nnodes 4 --nproc-per-node 8 ... -m meshrl launch recipes/grpo_math.py [key=value ...]
 
-Each launcher gathers the device list over gloo, computes the same plan as every other launcher, starts
-the data plane (controller on rank 0, a storage server per host) and then only its own service
-processes, waits until all are ready, and supervises them. A service that fails stops the run: its
-launcher prints which service, replica and rank failed with the tail of its traceback, and exits
-non-zero, which makes torchrun stop the other launchers. When training ends every process exits.
+A launcher serves the device ranks it owns: every rank of the host under `meshrl run`; its own rank
+under torchrun, one launcher per device, the launchers gathering their devices, addresses and the run's
+secret over gloo (the only place a launcher imports torch). Every launcher computes the same plan, the
+launcher of rank 0 starts the controller, each host's first launcher its storage server, and each
+launcher a zygote (`meshrl/runtime/zygote.py`) that imports torch and the services' modules while the
+data plane starts and then forks the launcher's service processes. A service that fails stops the run:
+its launcher prints which service failed with the tail of its traceback and exits non-zero (which makes
+torchrun stop the other launchers), or restarts just that process if its group re-joins (in place).
+SIGINT or SIGTERM stops every process gracefully. When a launch ends, its processes gone, the launcher
+that ran the host's storage removes the run's shared-memory segments left on the host (or, if that
+launcher was killed, its zygote does).
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -24,65 +30,104 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
-from meshrl.runtime.service import CONTROL, FAILED
-from meshrl.runtime.supervise import Child, wait_ready
+from meshrl.runtime.supervise import Child, Interrupted, Progress, Signals, stop_all, sweep, wait_ready
+from meshrl.runtime.zygote import Forker, ZygoteDied
 from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
 
+CONTROL = "control"  # meshrl.runtime.service.CONTROL (that module imports torch: not imported here)
+FAILED = 2  # meshrl.runtime.service.FAILED
 
-class Launcher:
-    def __init__(self, recipe_path: str, overrides: list[str]) -> None:
-        self.t0 = float(os.environ.get("MESHRL_T0", time.time()))
-        self.recipe_path = str(Path(recipe_path).resolve())
-        self.overrides = overrides
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.children: list[Child] = []
-        self.plane: list[Child] = []
-        self.stopping = False
-        self.rejoined: dict[str, int] = {}  # in-place restarts per group
 
-    # ---------------------------------------------------------------------------------------------------
-    # collectives among launchers (gloo)
+class Alone:
+    """The peers of a launcher that owns every rank of a single-host run: none."""
+
+    size = 1
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj]
 
     def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
+        pass
 
-    def gather_json(self, obj: object) -> list[object]:
+
+class Gloo:
+    """Launchers started by torchrun, one per rank: their collectives, over gloo."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=timedelta(days=7))
+        self.dist = dist
+        self.size = dist.get_world_size()
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        import torch
+
         data = json.dumps(obj).encode()
-        if self.world == 1:
-            return [obj]
         size = torch.tensor([len(data)])
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, size)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.dist.all_gather(sizes, size)
         width = int(max(s.item() for s in sizes))
         buf = torch.zeros(width, dtype=torch.uint8)
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, buf)
+        out = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.size)]
+        self.dist.all_gather(out, buf)
         return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes, strict=True)]
 
-    # ---------------------------------------------------------------------------------------------------
+
+class Launcher:
+    def __init__(
+        self,
+        recipe_path: str,
+        overrides: list[str],
+        devices: list[Device],
+        peers: Alone | Gloo,
+        signals: Signals,
+        *,
+        t0: float,
+        resume: Path | None = None,
+    ) -> None:
+        self.recipe_path = str(Path(recipe_path).resolve())
+        self.overrides = overrides
+        self.owned = devices
+        self.ranks = {d.rank for d in devices}
+        self.lead = 0 in self.ranks  # rank 0's launcher: the controller, the run files, the progress
+        self.peers = peers
+        self.signals = signals
+        self.t0 = t0
+        self.resume = resume
+        self.children: list[Child] = []
+        self.plane: list[Child] = []
+        self.zygote: Forker | None = None
+        self.segments: tuple[str, str] | None = None  # (directory, "meshrl-<run>-"): swept at the end
+        self.stopping = False
+        self.stopped = 0  # services that were running when the launch was stopped
+        self.rejoined: dict[str, int] = {}  # in-place restarts per group
 
     def run(self) -> int:
-        if self.world > 1:
-            dist.init_process_group("gloo", timeout=timedelta(days=7))
+        """Run the launch to its end: 0 when training finished, non-zero when a service failed; raises
+        Interrupted on SIGINT/SIGTERM. Every process it started is gone when it returns or raises."""
+        try:
+            return self._run()
+        finally:
+            self.shutdown()
+
+    def _run(self) -> int:
         recipe = self.recipe = load_recipe(self.recipe_path, self.overrides)
-        me = Device(self.rank, host_id(), self.local_rank)
-        gathered: list[Any] = self.gather_json([me.rank, me.host, me.local_rank, _my_address()])
-        devices = [Device(int(r), str(h), int(lr)) for r, h, lr, _ in gathered]
-        address = {str(h): str(a) for _, h, _, a in sorted(gathered, key=lambda x: -int(x[0]))}
+        mine = {"devices": [[d.rank, d.host, d.local_rank] for d in self.owned], "address": _my_address()}
+        gathered: list[Any] = self.peers.gather(mine)
+        devices = sorted((Device(int(r), str(h), int(lr)) for g in gathered for r, h, lr in g["devices"]),
+                         key=lambda d: d.rank)  # fmt: skip
+        address = {str(h): str(g["address"]) for g in reversed(gathered) for _, h, _ in g["devices"]}
         topology = plan(recipe, devices)
-        self.total_steps = recipe.total_steps
         self.run_dir = recipe.resolved_run_dir.resolve()
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -90,35 +135,47 @@ class Launcher:
             raise RecipeError(
                 ["dataplane.bind_all: a run over several hosts must set it (the secret protects it)"]
             )
-        self.resume = os.environ.get("MESHRL_RESUME") or None
-        if self.rank == 0:
+        if self.lead:
             (self.run_dir / "failure.json").unlink(missing_ok=True)
             if self.resume is None:  # a fresh start: nothing of an earlier run may be resumed or counted
                 shutil.rmtree(ckpt.root(self.run_dir), ignore_errors=True)
                 (self.run_dir / "ledger.jsonl").unlink(missing_ok=True)
             self._write_run_files(recipe, topology)
-        self.groups = {p.name: p.group for r in topology.replicas for p in r.processes}
-        secret = self._secret(recipe, topology)
-        controller = self._start_dataplane(recipe, topology, address, secret)
-        env = self._service_env(recipe, devices, controller, secret)
-        env["MESHRL_ADDRESSES"] = json.dumps(address)
-        # this launch's id (rank 0's): state that must not outlive a launch (colocation rings) is named
+        self.processes = {p.name: p for r in topology.replicas for p in r.processes}
+        # this launch's id (the lead's): state that must not outlive a launch (colocation rings) is named
         # by it, so a resumed run never reads the rings of the processes it replaces
-        env["MESHRL_LAUNCH"] = str(self.gather_json(os.urandom(4).hex() if self.rank == 0 else "")[0])
-        self._start_services(recipe, topology, env)
-        failed = wait_ready(self.children, timeout=900)
+        need_secret = not topology.single_host or recipe.dataplane.bind_all
+        facts = self.peers.gather(
+            {"secret": new_secret() if need_secret else "", "launch": os.urandom(4).hex()}
+            if self.lead
+            else {}
+        )[0]
+        secret = str(facts["secret"]) or None
+        if secret:
+            write_secret(self.run_dir / "secret", secret)
+        controller = self._controller(recipe, topology, address)
+        env = self._service_env(recipe, devices, controller, secret)
+        env.update(MESHRL_ADDRESSES=json.dumps(address), MESHRL_LAUNCH=str(facts["launch"]))
+        self._start_zygote(topology, env)  # its imports overlap the data plane's start
+        zygote = [self.zygote.process] if self.zygote is not None else []
+        try:
+            self._start_dataplane(recipe, topology, address, secret, controller)
+            self._start_services(recipe, topology, env)
+        except ZygoteDied:
+            return self._fail(zygote[0], controller, secret)
+        failed = wait_ready([*zygote, *self.children], timeout=900, check=self.signals.check)
         if failed is not None:
             return self._fail(failed, controller, secret)
-        self.barrier()
-        if self.rank == 0:
-            print(f"[meshrl] {sum(len(r.processes) for r in topology.replicas)} service processes ready "
-                  f"in {time.time() - self.t0:.1f}s (run dir {self.run_dir})", flush=True)  # fmt: skip
+        self.peers.barrier()
+        if self.lead:
+            print(f"[meshrl] {len(self.processes)} service processes ready in {time.time() - self.t0:.1f}s "
+                  f"(run dir {self.run_dir})", flush=True)  # fmt: skip
         code = self._supervise(controller, secret)
         if code:
             return code
-        self.barrier()  # every launcher's services are done before the data plane goes away
+        self.peers.barrier()  # every launcher's services are done before the data plane goes away
         self.shutdown()
-        if self.rank == 0:
+        if self.lead:
             print(f"[meshrl] run finished in {time.time() - self.t0:.1f}s", flush=True)
         return 0
 
@@ -129,74 +186,74 @@ class Launcher:
             json.dumps(asdict(topology), indent=2, default=str) + "\n"
         )
 
-    def _secret(self, recipe: Recipe, topology: Topology) -> str | None:
-        if topology.single_host and not recipe.dataplane.bind_all:
-            return None
-        token = new_secret() if self.rank == 0 else ""
-        shared = str(self.gather_json(token)[0])
-        write_secret(self.run_dir / "secret", shared)
-        return shared
+    def _controller(self, recipe: Recipe, topology: Topology, address: dict[str, str]) -> str:
+        if not topology.single_host or recipe.dataplane.bind_all:
+            return f"tcp://{address[topology.controller_host]}:{topology.controller_port}"
+        return topology.controller_endpoint(recipe.dataplane.bind_all)
+
+    def _start_zygote(self, topology: Topology, env: dict[str, str]) -> None:
+        """The parent of this launcher's services: it imports torch, transformers, the services' modules
+        and their models' modeling code now, and forks each service once the data plane is up."""
+        groups = {p.group for p in self.processes.values() if p.rank in self.ranks}
+        if not groups:
+            return
+        configs = [self.recipe.group(g).config for g in sorted(groups)]
+        modules = ["transformers", *sorted({type(c).service.partition(":")[0] for c in configs})]
+        models = sorted({m for c in configs if isinstance(m := getattr(c, "model", None), str)})
+        self.zygote = Forker(self.logs / "zygote.log", env, modules, models, check=self.signals.check)
 
     def _start_dataplane(
-        self, recipe: Recipe, topology: Topology, address: dict[str, str], secret: str | None
-    ) -> str:
+        self, recipe: Recipe, topology: Topology, address: dict[str, str], secret: str | None, controller: str
+    ) -> None:
         bind_host = "0.0.0.0" if recipe.dataplane.bind_all else "127.0.0.1"
-        controller = topology.controller_endpoint(recipe.dataplane.bind_all)
-        if not topology.single_host or recipe.dataplane.bind_all:
-            controller = f"tcp://{address[topology.controller_host]}:{topology.controller_port}"
         env = {**os.environ, **({"MESHRL_SECRET": secret} if secret else {})}
         serve = [sys.executable, "-m", "meshrl.dataplane.serve", "--log-level", "INFO"]
         if self.resume is not None:
-            serve += ["--restore", str(Path(self.resume) / "dataplane")]
+            serve += ["--restore", str(self.resume / "dataplane")]
         started: list[tuple[Child, Path]] = []
-        if self.rank == 0:
+        if self.lead:
             ready = self.run_dir / "controller.ready"
             ready.unlink(missing_ok=True)
             bind = f"tcp://{bind_host}:{topology.controller_port}"
             args = ["--no-storage", "--controller", bind, "--ready-file", str(ready),
                     "--ledger", str(self.run_dir / "ledger.jsonl")]  # fmt: skip
             started.append((Child("controller", [*serve, *args], self.logs / "controller.log", env), ready))
-        for host, rank, port in topology.storage:  # storage servers wait for the controller themselves
-            if rank == self.rank:
-                ready = self.run_dir / f"storage-{host}.ready"
-                ready.unlink(missing_ok=True)
-                args = ["--storage-only", "--controller", controller, "--storage", f"tcp://{bind_host}:{port}",
-                        "--advertise", f"tcp://{address[host]}:{port}", "--ready-file", str(ready)]  # fmt: skip
-                started.append(
-                    (Child(f"storage-{host}", [*serve, *args], self.logs / f"storage-{host}.log", env), ready)
-                )
+        storage = [(host, port) for host, rank, port in topology.storage if rank in self.ranks]
+        for host, port in storage:  # storage servers wait for the controller themselves
+            ready = self.run_dir / f"storage-{host}.ready"
+            ready.unlink(missing_ok=True)
+            args = ["--storage-only", "--controller", controller, "--storage", f"tcp://{bind_host}:{port}",
+                    "--advertise", f"tcp://{address[host]}:{port}", "--ready-file", str(ready)]  # fmt: skip
+            started.append(
+                (Child(f"storage-{host}", [*serve, *args], self.logs / f"storage-{host}.log", env), ready)
+            )
         for child, _ in started:
             child.start()
             self.plane.append(child)
+        self._write_pids()
         for child, ready in started:
             self._wait_file(child, ready)
-        self.barrier()
-        if self.rank == 0:
-            from meshrl.dataplane import Client
-
+        self.peers.barrier()
+        if self.lead:
             (self.run_dir / "dataplane.json").write_text(json.dumps({"controller": controller}) + "\n")
-            with Client(controller, secret=secret) as c:
-                c.create_partition(CONTROL, 4096)
-                parts = {p for g in recipe.groups for p in g.config.writes()}
-                retain: dict[str, set[str]] = {}
-                for g in recipe.groups:
-                    for p, consumers in g.config.retention().items():
-                        retain.setdefault(p, set()).update(consumers)
-                for p in sorted(parts - {CONTROL}):
-                    c.create_partition(
-                        p, recipe.dataplane.capacity, delete_when_acked_by=sorted(retain.get(p, ()))
-                    )
-        self.barrier()
-        return controller
+        if self.lead or storage:
+            partitions = _partitions(recipe) if self.lead else []
+            run, shm_dir = _prepare_dataplane(controller, secret, partitions)
+            if storage:  # this launcher's host: what is left of the run there is removed at the end
+                self.segments = (shm_dir, f"meshrl-{run}-")
+                if self.zygote is not None:
+                    self.zygote.sweep(*self.segments)
+        self.peers.barrier()
 
     def _wait_file(self, child: Child, ready: Path) -> None:
         deadline = time.monotonic() + 60
         while not ready.exists():
+            self.signals.check()
             if child.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{child.name} did not start; last lines of {child.log_path}:\n{child.tail()}"
                 )
-            time.sleep(0.02)
+            time.sleep(0.01)
 
     def _service_env(
         self, recipe: Recipe, devices: list[Device], controller: str, secret: str | None
@@ -205,6 +262,7 @@ class Launcher:
                     "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE"}  # fmt: skip
         # a service's own torch.distributed group is not the launchers': drop what torchrun set for us
         env = {k: v for k, v in os.environ.items() if k not in torchrun and not k.startswith("TORCHELASTIC_")}
+        env.pop("MESHRL_RESUME", None)
         env.update(
             MESHRL_RECIPE=self.recipe_path,
             MESHRL_OVERRIDES=json.dumps(self.overrides),
@@ -213,61 +271,58 @@ class Launcher:
             MESHRL_CONTROLLER=controller,
             PYTHONUNBUFFERED="1",
         )
+        if self.resume is not None:
+            env["MESHRL_RESUME"] = str(self.resume)
         if secret:
             env["MESHRL_SECRET"] = secret
         return env
 
     def _start_services(self, recipe: Recipe, topology: Topology, env: dict[str, str]) -> None:
         hosts = cohosts(recipe, topology)
-        for p in topology.processes_on(self.rank):
-            if p.name not in hosts:
-                continue  # runs inside another process (a hybrid ring)
+        for p in self.processes.values():
+            if p.rank not in self.ranks or p.name not in hosts:
+                continue  # another launcher's, or runs inside another process (a hybrid ring)
             args = [str(x) for q in hosts[p.name] for x in (q.group, q.replica, q.worker)]
-            child = Child(
-                p.name,
-                [sys.executable, "-m", "meshrl.runtime.worker", *args],
-                self.logs / f"{p.name}.log",
-                env,
-                health_port=p.ports[HEALTH],
-            )
-            child.start()
+            child = Child(p.name, args, self.logs / f"{p.name}.log", env, p.ports[HEALTH], self.zygote)
             self.children.append(child)
+            child.start()
         self._write_pids()
 
     def _write_pids(self) -> None:
-        pids = {c.name: c.pid for c in [*self.plane, *self.children]}
+        zygote = [self.zygote.process] if self.zygote is not None else []
+        pids = {c.name: c.pid for c in [*self.plane, *zygote, *self.children] if c.pid}
         # replaced whole on each in-place restart: a reader never sees half a file
-        ckpt.save_json(self.run_dir / f"pids-{self.rank}.json", pids)
+        ckpt.save_json(self.run_dir / f"pids-{min(self.ranks)}.json", pids)
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
-        progress = Progress(self.run_dir / "metrics.jsonl", self.total_steps) if self.rank == 0 else None
-        while running:
+        progress = Progress(self.run_dir / "metrics.jsonl", self.recipe.total_steps) if self.lead else None
+        try:
+            while running:
+                self.signals.check()
+                if progress is not None:
+                    progress.update()
+                if self.zygote is not None and self.zygote.process.poll() is not None:
+                    return self._fail(self.zygote.process, controller, secret)
+                for c in list(running):
+                    code = c.poll()
+                    if code is None or (code != 0 and self._rejoin(c)):
+                        continue
+                    running.remove(c)
+                    if code != 0:
+                        return self._fail(c, controller, secret)
+                time.sleep(0.1)
             if progress is not None:
                 progress.update()
-            for c in list(running):
-                code = c.poll()
-                if code is None:
-                    continue
-                if code != 0 and self._rejoin(c):
-                    continue
-                running.remove(c)
-                if code != 0:
-                    if progress is not None:
-                        progress.close()
-                    return self._fail(c, controller, secret)
-            time.sleep(0.1)
-        if progress is not None:
-            progress.update()
-            progress.close()
+        finally:
+            if progress is not None:
+                progress.close()
         return 0
 
     def _rejoin(self, child: Child) -> bool:
         """Restart a failed process on its own, if its service re-joins a running run and its group's
         policy allows another restart; the rows it had claimed came back when its connection closed."""
-        group = self.groups.get(child.name)
-        if group is None:
-            return False
+        group = self.processes[child.name].group
         g = self.recipe.group(group)
         policy, done = g.restart, self.rejoined.get(group, 0)
         in_ring = any(m.group == group for r in self.recipe.rings for m in r.members)
@@ -278,7 +333,7 @@ class Launcher:
         if g.config.stateful and g.replicas > 1:
             return False
         delay = policy.backoff_s * 2**done
-        time.sleep(delay)
+        self.signals.sleep(delay)
         # a run that is failing anyway (say the trainer this replica received weights from died) restarts
         # as a whole from its checkpoint: no restart of this one process first
         if (self.run_dir / "failure.json").exists():
@@ -297,80 +352,85 @@ class Launcher:
 
     def _fail(self, child: Child, controller: str, secret: str | None) -> int:
         code = child.poll()
-        failure = {
-            "service": child.name,
-            "group": self.groups.get(child.name),
-            "code": code,
-            "rank": self.rank,
-        }
+        process = self.processes.get(child.name)
+        rank = process.rank if process is not None else min(self.ranks)
+        failure = {"service": child.name, "group": process and process.group, "code": code, "rank": rank}
         try:  # the first failure is the one `meshrl run` acts on (a restart policy)
             with open(self.run_dir / "failure.json", "x") as f:
                 json.dump(failure, f)
         except FileExistsError:
             pass
         print(
-            f"\n[meshrl] service {child.name} failed (exit code {code}, rank {self.rank}, pid {child.pid}); "
+            f"\n[meshrl] service {child.name} failed (exit code {code}, rank {rank}, pid {child.pid}); "
             f"last lines of {child.log_path}:\n{_indent(child.tail())}\n",
             file=sys.stderr,
             flush=True,
         )
-        try:  # tell the services of other launchers, then stop ours
-            from meshrl.dataplane import Client
+        if self.peers.size > 1:  # tell the services of the other launchers (this one stops its own)
+            try:
+                import torch
 
-            with Client(controller, secret=secret, timeout=5) as c:
-                c.put(CONTROL, {"event": torch.tensor([FAILED])}, meta=[{"by": child.name}])
-        except Exception as e:  # the data plane may be what failed
-            log.warning("could not announce the failure: %s", e)
+                from meshrl.dataplane import Client
+
+                with Client(controller, secret=secret, timeout=5) as c:
+                    c.put(CONTROL, {"event": torch.tensor([FAILED])}, meta=[{"by": child.name}])
+            except Exception as e:  # the data plane may be what failed
+                log.warning("could not announce the failure: %s", e)
         self.shutdown()
         return 1
 
     def shutdown(self) -> None:
+        """Stop the services (together), the zygote, the data plane; then sweep the run's segments."""
         if self.stopping:
             return
         self.stopping = True
-        for c in self.children:
-            c.stop()
+        self.stopped = stop_all(self.children)
+        if self.zygote is not None:
+            self.zygote.stop()
         for c in reversed(self.plane):  # storage before controller
             c.stop()
+        if self.segments is not None:
+            sweep(*self.segments)
 
 
-class Progress:
-    """A progress bar over training steps, fed by the trainer's metrics.jsonl (launcher rank 0)."""
+def _partitions(recipe: Recipe) -> list[tuple[str, int, list[str]]]:
+    """(name, capacity, consumers whose acks delete a row) of every partition of the run."""
+    parts = {p for g in recipe.groups for p in g.config.writes()}
+    retain: dict[str, set[str]] = {}
+    for g in recipe.groups:
+        for p, consumers in g.config.retention().items():
+            retain.setdefault(p, set()).update(consumers)
+    out: list[tuple[str, int, list[str]]] = [(CONTROL, 4096, [])]
+    return out + [
+        (p, recipe.dataplane.capacity, sorted(retain.get(p, ()))) for p in sorted(parts - {CONTROL})
+    ]
 
-    def __init__(self, path: Path, total: int) -> None:
-        self.path = path
-        self.total = total
-        self.offset = 0
-        self.bar: Any = None
 
-    def update(self) -> None:
-        try:
-            with open(self.path) as f:
-                f.seek(self.offset)
-                lines = f.readlines()
-                self.offset = f.tell()
-        except OSError:
-            return
-        rows = [json.loads(line) for line in lines if line.endswith("\n")]
-        if not rows:
-            return
-        last = rows[-1]
-        if not sys.stderr.isatty():  # logs and CI: a line every 10 steps instead of a redrawn bar
-            for row in rows:
-                if row["step"] % 10 == 9 or row["step"] == self.total - 1:
-                    print(f"[meshrl] step {row['step'] + 1}/{self.total} reward {row.get('reward_mean', 0):.3f} "
-                          f"loss {row.get('loss', 0):.4f}", flush=True)  # fmt: skip
-            return
-        if self.bar is None:
-            from tqdm import tqdm
+def _prepare_dataplane(
+    controller: str, secret: str | None, partitions: list[tuple[str, int, list[str]]]
+) -> tuple[str, str]:
+    """Create `partitions`; returns the run's id and shared-memory directory. Speaks the wire protocol
+    itself: the data-plane client imports torch, and a launcher does not."""
+    from meshrl.dataplane import protocol as P
+    from meshrl.dataplane.rpc_client import RpcClient
 
-            self.bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True)
-        self.bar.set_postfix(reward=f"{last.get('reward_mean', 0):.3f}", loss=f"{last.get('loss', 0):.4f}")
-        self.bar.update(len(rows))
+    rpc = RpcClient(controller, secret, 30.0)
+    name = f"launcher-{os.getpid()}"
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def call(msg: Any) -> Any:
+        reply = P.decode_reply(rpc.call(P.encode(msg), 30.0))
+        if isinstance(reply, P.Error):
+            raise RuntimeError(f"data plane: {type(msg).__name__} refused: {reply.message}")
+        return reply
+
+    try:
+        hello = call(P.Hello(client=name, host=host_id(), pid=os.getpid()))
+        for part, capacity, retain in partitions:
+            call(P.CreatePartition(part, capacity, delete_when_acked_by=retain))
+        call(P.Bye(name))
+        return str(hello.run), str(hello.shm_dir)
+    finally:
+        rpc.close()
 
 
 def _my_address() -> str:
@@ -389,29 +449,25 @@ def _indent(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`torchrun ... -m meshrl launch RECIPE [key=value ...]`: the launcher of one rank."""
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0].startswith("-"):
         print("usage: torchrun ... -m meshrl launch RECIPE.py [key=value ...]", file=sys.stderr)
         raise SystemExit(2)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
-    launcher = Launcher(args[0], args[1:])
-
-    def on_signal(signum: int, _frame: object) -> None:
-        launcher.shutdown()
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = Signals()
+    me = Device(int(os.environ.get("RANK", 0)), host_id(), int(os.environ.get("LOCAL_RANK", 0)))
+    resume = os.environ.get("MESHRL_RESUME")
+    launcher = Launcher(args[0], args[1:], [me], Gloo(), signals, t0=float(os.environ.get("MESHRL_T0", time.time())),
+                        resume=Path(resume) if resume else None)  # fmt: skip
     try:
         code = launcher.run()
     except RecipeError as e:
-        if launcher.rank == 0:
+        if launcher.lead:
             print(f"[meshrl] {e}", file=sys.stderr)
-        launcher.shutdown()
         code = 2
-    except BaseException:
-        launcher.shutdown()
-        raise
+    except Interrupted as e:
+        code = 128 + e.signum
     raise SystemExit(code)
 
 

@@ -1,8 +1,10 @@
 """Entry point of one service process: `python -m meshrl.runtime.worker GROUP REPLICA WORKER [...]`.
 
-Its launcher passes the recipe, overrides and gathered device list in the environment; the process
+A launcher has its zygote fork the process and call `main` (`meshrl/runtime/zygote.py`: torch and the
+service's modules are imported already); run as a module it works the same, only slower to start. The
+launcher passes the recipe, overrides and gathered device list in the environment; the process
 rebuilds the same plan, finds itself in it, and runs its service. Stdout/stderr go to the process's
-log file (set up by the launcher), so a crash leaves its full traceback there. Several triples: the
+log file (set up by the zygote), so a crash leaves its full traceback there. Several triples: the
 members of a hybrid colocation ring on one device, run as threads of this one process.
 """
 
@@ -24,9 +26,9 @@ from meshrl.planning.topology import Device, plan
 from meshrl.runtime.supervise import die_with_parent
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     die_with_parent()
-    args = sys.argv[1:]
+    args = sys.argv[1:] if argv is None else argv
     if not args or len(args) % 3:
         raise SystemExit(
             "usage: python -m meshrl.runtime.worker GROUP REPLICA WORKER [GROUP REPLICA WORKER ...]"
@@ -42,7 +44,7 @@ def main() -> None:
     devices = [Device(*d) for d in json.loads(os.environ["MESHRL_DEVICES"])]
     topology = plan(recipe, devices)
 
-    # heavy imports (torch, transformers) only from here on
+    # heavy imports (torch, transformers; done already in a zygote's child) only from here on
     from meshrl.roles.trainer.config import TrainerConfig
     from meshrl.runtime import hybrid
     from meshrl.runtime.service import Health, ServiceContext

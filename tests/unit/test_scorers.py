@@ -128,3 +128,59 @@ def test_a_restarted_scorer_keeps_rows_its_predecessor_wrote(plane):
         assert got.tensor("score").tolist() == [10.0, 1.0, 2.0, 13.0]
         c.ack(got)
         assert put_missing(c, "rows", {"y": torch.arange(4)}, ids) == 0  # nothing there yet: one put
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_rows_a_checkpoint_caught_between_put_and_ack_are_kept_or_skipped_once_resumed(
+    tmp_path, asynchronous
+):
+    """A checkpoint snapshots the data plane while stateless services (inference, the scorers) work on:
+    it can catch rows with a service's column written and its claim not yet acknowledged. Restored, the
+    rows go to that service again, while the others, seeing the column, take them to the end and the
+    trainer's ack deletes them; the service's put must then keep what is there and skip what is gone
+    (it failed the resumed run with 'unknown row ids': tests/integration/ppo, actor-critic resume)."""
+    import asyncio
+
+    from meshrl.dataplane import AsyncClient, Client
+    from meshrl.roles.scorer import put_missing, put_missing_async
+    from tests.conftest import start_plane, stop_plane
+
+    snap = tmp_path / "checkpoint"
+    first = start_plane(tmp_path)
+    try:
+        with Client(first.controller) as c:
+            c.create_partition("samples", 64, delete_when_acked_by=["trainer"])
+            ids = c.put("samples", {"prompt": torch.arange(4)})
+            claim = c.claim("samples", "inference", ["prompt"], 4)
+            c.put("samples", {"response": torch.arange(4) + 10}, ids=claim.ids)  # inference's put,
+            c.snapshot(snap)  # the checkpoint,
+            c.ack(claim)  # inference's ack
+    finally:
+        stop_plane(first)
+    second = start_plane(tmp_path, "--restore", str(snap))  # the resumed run
+    try:
+        with Client(second.controller) as c:
+            again = c.claim("samples", "inference", ["prompt"], 4)
+            assert again.ids.tolist() == ids.tolist()  # handed out again
+            trained = c.claim("samples", "trainer", ["prompt", "response"], 2)  # meanwhile
+            c.ack(trained)  # rows 0 and 1 are deleted
+            columns = {"response": torch.arange(4) + 20}  # (sampled afresh, or the same: either way)
+            if asynchronous:
+
+                async def put() -> int:
+                    client = await AsyncClient.connect(second.controller)
+                    try:
+                        return await put_missing_async(client, "samples", columns, again.ids)
+                    finally:
+                        await client.close()
+
+                assert asyncio.run(put()) == 4
+            else:
+                assert put_missing(c, "samples", columns, again.ids) == 4
+            c.ack(again)
+            rest = c.claim("samples", "trainer", ["prompt", "response"], 4)
+            assert rest.ids.tolist() == ids[2:].tolist() and rest.tensor("response").tolist() == [12, 13]
+            c.ack(rest)
+            assert c.status().partitions[0].rows == 0
+    finally:
+        stop_plane(second)

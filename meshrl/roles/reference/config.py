@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from meshrl.columns import REF_LOGPROBS, SAMPLES
 from meshrl.planning.config import Columns
-from meshrl.roles.scorer import ScorerConfig
+from meshrl.roles.scorer_config import ScorerConfig
 
 
 @dataclass(frozen=True, kw_only=True)

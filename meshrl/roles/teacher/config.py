@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from meshrl.columns import SAMPLES, teacher_columns
 from meshrl.planning.config import Columns
-from meshrl.roles.scorer import ScorerConfig
+from meshrl.roles.scorer_config import ScorerConfig
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

@@ -108,23 +108,46 @@ def test_counter_runs_to_completion_and_leaves_nothing_behind(tmp_path):
 
 
 def test_services_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    """The services are children of the launch's zygote, the zygote and the data-plane servers children
+    of the launcher (the `meshrl run` process): SIGKILL it, and the kernel tells the children their
+    parent died; the zygote stops its own."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshrl.cli", "run", COUNTER, f"run_dir={run_dir}", f"base_port={free_port_base()}",
          "consumer.delay_s=5"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while len(started_pids(run_dir)) < 4:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.1)
-    pids = started_pids(run_dir)
-    launchers = {psutil.Process(p).ppid() for p in pids.values()}
-    assert proc.pid not in launchers and len(launchers) == 2
-    for pid in launchers:
-        os.kill(pid, 9)
+    pids = wait_for_pids(proc, run_dir, 5)
+    zygote = pids["zygote"]
+    assert {psutil.Process(pids[s]).ppid() for s in ("producer-0-0", "consumer-0-1")} == {zygote}
+    assert {psutil.Process(pids[s]).ppid() for s in ("zygote", "controller")} == {proc.pid}
+    assert len(os.listdir(f"/proc/{zygote}/task")) == 1  # it forks: no other thread may hold a lock
+    os.kill(proc.pid, 9)
     assert_all_gone(pids)  # nobody is left to stop them: the kernel tells them their parent died
     proc.wait(timeout=60)
+
+
+def test_a_killed_zygote_fails_the_run_and_leaves_nothing_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    r = subprocess.Popen(
+        [sys.executable, "-m", "meshrl.cli", "run", COUNTER, f"run_dir={run_dir}", f"base_port={free_port_base()}",
+         "consumer.delay_s=5"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pids = wait_for_pids(r, run_dir, 5)
+    os.kill(pids["zygote"], 9)
+    _, err = r.communicate(timeout=120)
+    assert r.returncode == 1 and "service zygote failed (exit code -9" in err, err
+    assert_all_gone(pids)
+
+
+def wait_for_pids(proc: subprocess.Popen, run_dir: Path, n: int) -> dict[str, int]:
+    """The run's pids once `n` processes are in its pids files."""
+    deadline = time.monotonic() + 120
+    while len(started_pids(run_dir)) < n:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return started_pids(run_dir)
 
 
 def test_a_failing_service_stops_the_run_with_its_traceback(tmp_path):

@@ -1,0 +1,49 @@
+"""The configuration the frozen scoring services share (reference, reward model, teacher), apart from
+their service code (`meshrl/roles/scorer.py`): planning a recipe imports configs, and must not import
+torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshrl.columns import PROMPT, RESPONSE, SAMPLES
+from meshrl.planning.config import Columns, ServiceConfig
+
+if TYPE_CHECKING:
+    from meshrl.planning.recipe import Recipe, ServiceGroup
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScorerConfig(ServiceConfig):
+    rejoins = True  # frozen: a restarted replica just claims rows again
+
+    model: str
+    """Local path of the frozen model."""
+    loader_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to from_pretrained."""
+    max_batch: int = 64
+    """Rows per claim."""
+    max_tokens: int = 8192
+    """Padded tokens per forward (rows are sorted by length and packed up to this budget)."""
+    threads: int = 0
+    """torch threads (0: leave the default)."""
+
+    def validate(self) -> Iterator[str]:
+        if self.max_batch < 1:
+            yield "max_batch: must be >= 1"
+        if self.max_tokens < 1:
+            yield "max_tokens: must be >= 1"
+
+    def reads(self) -> Columns:
+        return {SAMPLES: (PROMPT, RESPONSE)}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        problems = []
+        if not Path(self.model).exists():
+            problems.append(f"model: path {self.model!r} does not exist")
+        if group.devices_per_replica > 1:
+            problems.append("devices_per_replica: a scoring replica runs on one device (add replicas)")
+        return problems
