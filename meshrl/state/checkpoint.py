@@ -8,7 +8,10 @@ answers with a row in `checkpoint_acks`. Once all have answered, the trainer has
 snapshot itself into the directory (metadata, segment bytes and the ledger offset, consistent because
 every producer of new work is paused), marks the directory complete, renames it to `step-<s>` and points
 `latest` at it, and writes a `done` row: the paused services resume. Stateless services (inference,
-reference, reward model) keep running; work they do during the snapshot is either in it or redone.
+reference, reward model) keep running; work they do during the snapshot is either in it or redone. A
+row can be caught between such a service's put and its ack: after a restore it is handed to that service
+again while its other consumers, seeing the column, may finish and delete it; the service's put then
+keeps what is there, or skips the row that is gone (`meshrl/roles/scorer.py: put_missing`).
 
 Resume (`meshrl run ... --resume`, or automatically after a failure under a restart policy): the
 controller restores the snapshot (claims in flight become ready again), and every service loads its
