@@ -49,7 +49,13 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "meshrl.cli", "run", args.recipe, f"*.model={sft}", f"run_dir={run_dir}",
            f"total_steps={args.steps}"]  # fmt: skip
     print(f"[demo] {' '.join(cmd[2:])}", flush=True)
-    code = subprocess.call(cmd)
+    proc = subprocess.Popen(cmd)
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:  # Ctrl-C reaches the run too: it stops every service and says so
+            continue
     if code != 0:
         return code
     report(run_dir)
