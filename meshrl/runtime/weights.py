@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -157,13 +158,20 @@ class WeightGroup:
                 pg.abort()
             except RuntimeError as e:  # aborting a broken group may complain; it is gone either way
                 log.debug("weight group abort: %s", e)
+            del pg  # the last reference: its connections close, and members blocked on them are freed
 
     def _collective(self, run: Callable[[], None]) -> None:
         try:
             run()
         except (RuntimeError, dist.DistBackendError) as e:
+            # The failed call's frames hold the group. Only a group that is freed closes its connections
+            # (abort does not), and a survivor blocked in the same collective with this member waits for
+            # that, or for the group's timeout: cleared here, the group goes in `_drop` (seen: a survivor
+            # stuck 60 s until its timeout while the traceback kept the trainer's old group alive).
+            cause = str(e).splitlines()[0]
+            traceback.clear_frames(e.__traceback__)
             self._drop()
-            raise GroupBroken(f"weight group epoch {self.epoch}: {str(e).splitlines()[0]}") from e
+            raise GroupBroken(f"weight group epoch {self.epoch}: {cause}") from e
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self._collective(lambda: broadcast_from_trainer(self.pg, tensor))
