@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/meshrl demo
 
-# The whole suite: lint, format check, type check, then every test that runs on this machine.
+# The whole suite: lint, format check, type check, then every test that runs on this machine, on two
+# pytest workers (a test file stays on one worker, so its module fixtures run once).
 test: $(STAMP) lint
-	$(PY) -m pytest -q -m "slow or not slow" --durations=30
+	$(PY) -m pytest -q -m "slow or not slow" -n 2 --dist loadfile --durations=30
 
 # The vLLM engine's tests, in an environment of their own (the default one stays lean): vLLM's CPU
 # build is ~3.5 GB and brings CUDA builds of torchvision/torchaudio/torchcodec that break its import.
