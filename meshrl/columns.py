@@ -54,6 +54,8 @@ GENERATED = (RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH)
 
 # other partitions' columns
 EVENT = "event"
+"""In `control`: FINISHED (training is over, every service exits) or FAILED (a service gave up)."""
+FINISHED, FAILED = 1, 2
 STEP = "step"
 
 

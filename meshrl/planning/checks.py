@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from meshrl.columns import REF_LOGPROBS, RM_SCORE, VALUES, teacher_columns
 from meshrl.planning.recipe import ColocationRing, Recipe, Scheduling, ServiceGroup
 
 if TYPE_CHECKING:
@@ -18,12 +19,10 @@ if TYPE_CHECKING:
 
 # Friendly hints for a column nobody writes.
 PRODUCER_HINTS = {
-    "values": "add a critic service group (or enable the trainer's value head)",
-    "ref_logprobs": "add a reference service group",
-    "rm_score": "add a reward-model service group",
-    "teacher_topk_ids": "add a teacher service group",
-    "teacher_topk_logprobs": "add a teacher service group",
-    "teacher_logprobs": "add a teacher service group",
+    VALUES: "add a critic service group (or enable the trainer's value head)",
+    REF_LOGPROBS: "add a reference service group",
+    RM_SCORE: "add a reward-model service group",
+    **dict.fromkeys(teacher_columns("teacher"), "add a teacher service group"),
 }
 
 

@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from meshrl.columns import CONTROL, EVENT, FAILED
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
@@ -38,9 +39,6 @@ from meshrl.runtime.zygote import Forker, ZygoteDied
 from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
-
-CONTROL = "control"  # meshrl.runtime.service.CONTROL (that module imports torch: not imported here)
-FAILED = 2  # meshrl.runtime.service.FAILED
 
 
 class Alone:
@@ -373,7 +371,7 @@ class Launcher:
                 from meshrl.dataplane import Client
 
                 with Client(controller, secret=secret, timeout=5) as c:
-                    c.put(CONTROL, {"event": torch.tensor([FAILED])}, meta=[{"by": child.name}])
+                    c.put(CONTROL, {EVENT: torch.tensor([FAILED])}, meta=[{"by": child.name}])
             except Exception as e:  # the data plane may be what failed
                 log.warning("could not announce the failure: %s", e)
         self.shutdown()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrl.columns import CONTROL, EVENT
+from meshrl.columns import CONTROL, EVENT, FAILED, FINISHED
 from meshrl.dataplane import AsyncClient, Client
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.recipe import Recipe
@@ -31,8 +31,6 @@ from meshrl.planning.topology import HEALTH, Process, Replica, Topology
 if TYPE_CHECKING:
     from meshrl.runtime.colocation import RingMember
 
-FINISHED = 1  # control event: training is over, every service exits
-FAILED = 2  # control event: a service gave up; the others exit with an error
 WATCH_S = 60.0  # parked claims come back empty this often (and are parked again)
 
 

@@ -129,7 +129,7 @@ class RolloutConfig(ServiceConfig):
     def score_columns(self) -> tuple[str, ...]:
         """What a row needs before rollout can score it: the completion, and whatever the reward and
         advantage take from other services."""
-        cols: tuple[str, ...] = ("prompt", "response")
+        cols: tuple[str, ...] = (PROMPT, RESPONSE)
         if self.rm_weight > 0:
             cols += (RM_SCORE,)
         if self.kl_in_reward > 0:
