@@ -202,7 +202,7 @@ class FSDPEngine:
             objective.backward(mb, forward, prox, behaviour, mask)
         t1 = time.perf_counter()
         reduced = dict(zip(objective.sums, self.all_sum(list(objective.sums.values())), strict=True))
-        step = self._step(loss_finite=objective.finite(reduced))
+        step = self._step(loss_finite=objective.finite(reduced), empty=g_tokens == 0)
         t2 = time.perf_counter()
         return {
             **objective.metrics(reduced, self._max),
@@ -261,18 +261,20 @@ class FSDPEngine:
                     sums[key] += share
             reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
             t1 = time.perf_counter()
-            step = self._step(loss_finite=math.isfinite(reduced["value_loss"]))
+            step = self._step(loss_finite=math.isfinite(reduced["value_loss"]), empty=g_tokens == 0)
             results.append({**reduced, **step, "time/forward_backward_s": t1 - t0})
             results[-1]["time/optimizer_s"] = time.perf_counter() - t1
         return merged(results)
 
-    def _step(self, *, loss_finite: bool) -> dict[str, float]:
-        """Clip gradients and take an optimizer step unless the loss or gradients are not finite."""
+    def _step(self, *, loss_finite: bool, empty: bool = False) -> dict[str, float]:
+        """Clip gradients and take an optimizer step unless the loss or gradients are not finite, or the
+        step had no tokens to learn from (`empty`: its gradient is zero, and Adam's momentum alone would
+        still move the weights)."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         finite = math.isfinite(grad_norm) and loss_finite
         lr = self.optimizer.param_groups[0]["lr"]
-        if finite:
+        if finite and not empty:
             self.optimizer.step()
             self.steps += 1
             self._set_lr()

@@ -49,8 +49,9 @@ class PolicyObjective:
         g_n: float,
     ) -> None:
         self.cfg, self.device, self.temperature = cfg, device, temperature
-        self.g_tokens, self.g_rows = g_tokens, g_rows
-        self.normalizer = g_tokens if cfg.loss_agg == "token-mean" else g_n
+        # a step without tokens (every sample failed to score) has loss 0, not 0 / 0
+        self.g_tokens, self.g_rows = g_tokens, max(g_rows, 1.0)
+        self.normalizer = max(g_tokens if cfg.loss_agg == "token-mean" else g_n, 1.0)
         keys = ("pg_loss", "entropy", "kl_ref", "kl_behaviour", "clip_fraction", "approx_kl")
         self.sums = dict.fromkeys(keys, 0.0)
         self.sums.update(is_weight_mean=0.0, is_truncated_fraction=0.0)

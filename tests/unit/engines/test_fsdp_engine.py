@@ -77,6 +77,18 @@ def test_non_finite_loss_skips_the_update(tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
 
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_a_step_without_tokens_is_not_a_non_finite_one_and_leaves_the_weights(tiny_model, policy_loss):
+    """Every sample of the step failed to score: its loss is 0, not 0 / 0, and nothing moves."""
+    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
+    before = params(engine)
+    empty = batch()
+    empty.mask = torch.zeros_like(empty.mask)
+    stats = engine.update_policy(empty, Step(policy_loss=policy_loss))
+    assert stats["nan_skipped"] == 0 and stats["loss"] == 0.0 and engine.steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
+
+
 def test_pack_spreads_per_token_advantages_and_critic_columns():
     from meshrl.dataplane import Ragged
 
