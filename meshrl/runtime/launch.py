@@ -32,9 +32,10 @@ from typing import Any
 
 from meshrl.columns import CONTROL, EVENT, FAILED
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
+from meshrl.observe.follow import Follower
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
-from meshrl.runtime.supervise import Child, Interrupted, Progress, Signals, stop_all, sweep, wait_ready
+from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
 from meshrl.runtime.zygote import Forker, ZygoteDied
 from meshrl.state import checkpoint as ckpt
 
@@ -138,6 +139,7 @@ class Launcher:
             if self.resume is None:  # a fresh start: nothing of an earlier run may be resumed or counted
                 shutil.rmtree(ckpt.root(self.run_dir), ignore_errors=True)
                 (self.run_dir / "ledger.jsonl").unlink(missing_ok=True)
+                (self.run_dir / "trackers.json").unlink(missing_ok=True)  # new tracker runs
             self._write_run_files(recipe, topology)
         self.processes = {p.name: p for r in topology.replicas for p in r.processes}
         # this launch's id (the lead's): state that must not outlive a launch (colocation rings) is named
@@ -294,12 +296,15 @@ class Launcher:
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
-        progress = Progress(self.run_dir / "metrics.jsonl", self.recipe.total_steps) if self.lead else None
+        follower = None
+        if self.lead:  # the progress line and the experiment trackers, from the run's files
+            config = json.loads((self.run_dir / "config.json").read_text())
+            follower = Follower.for_run(
+                self.run_dir, config, self.recipe.log, self.recipe.total_steps
+            ).start()
         try:
             while running:
                 self.signals.check()
-                if progress is not None:
-                    progress.update()
                 if self.zygote is not None and self.zygote.process.poll() is not None:
                     return self._fail(self.zygote.process, controller, secret)
                 for c in list(running):
@@ -310,11 +315,9 @@ class Launcher:
                     if code != 0:
                         return self._fail(c, controller, secret)
                 time.sleep(0.1)
-            if progress is not None:
-                progress.update()
         finally:
-            if progress is not None:
-                progress.close()
+            if follower is not None:
+                follower.stop()
         return 0
 
     def _rejoin(self, child: Child) -> bool:
