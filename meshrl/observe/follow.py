@@ -18,10 +18,13 @@ import json
 import logging
 import sys
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from meshrl.columns import CHECKPOINT, CONTROL, GATE
 from meshrl.observe.trackers import Ids, Tracker, open_trackers
 
 log = logging.getLogger("meshrl.follow")
@@ -29,6 +32,20 @@ log = logging.getLogger("meshrl.follow")
 SOURCES = {"metrics.jsonl": "train", "eval.jsonl": "eval", "critic.jsonl": "critic"}
 """Files of scalar rows and the prefix of their names in a tracker (train/reward_mean, ...)."""
 SAMPLES = "samples.jsonl"
+PROBE_S = 5.0
+
+
+def backlog(status: Any) -> dict[str, float]:
+    """Tracker scalars of the data plane's status (a StatusReply): rows ready and claimed per consumer
+    of each work partition (control signals left out)."""
+    out: dict[str, float] = {}
+    for p in status.partitions:
+        if p.name in (CONTROL, CHECKPOINT, GATE) or p.name.startswith("ring."):
+            continue
+        for c in p.consumers:
+            out[f"dataplane/{p.name}/{c.name}/ready"] = float(c.ready)
+            out[f"dataplane/{p.name}/{c.name}/claimed"] = float(c.claimed)
+    return out
 
 
 class Tail:
@@ -75,8 +92,17 @@ class Follower:
     """Reads the run's files and feeds `progress` and the trackers, on a thread of its own (`start`,
     `stop`) or by `poll` calls."""
 
-    def __init__(self, run_dir: Path, trackers: list[Tracker], progress: Progress | None) -> None:
-        self.run_dir, self.trackers, self.progress = run_dir, trackers, progress
+    def __init__(
+        self,
+        run_dir: Path,
+        trackers: list[Tracker],
+        progress: Progress | None,
+        probe: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        """`probe`: scalars of the live run (the data plane's backlog), sent to the trackers every
+        PROBE_S seconds at the latest step the trainer reported."""
+        self.run_dir, self.trackers, self.progress, self.probe = run_dir, trackers, progress, probe
+        self.probed = 0.0
         self.tails = {name: Tail(run_dir / name) for name in [*SOURCES, SAMPLES]}
         self.sent = Ids(run_dir / "trackers.json")
         self.done = {name: int(self.sent.get(f"sent:{name}") or -1) for name in self.tails}
@@ -84,10 +110,31 @@ class Follower:
         self.thread: threading.Thread | None = None
 
     @classmethod
-    def for_run(cls, run_dir: Path, config: dict[str, Any], log_cfg: Any, total_steps: int) -> Follower:
-        return cls(run_dir, open_trackers(log_cfg, run_dir, config), Progress(total_steps))
+    def for_run(
+        cls,
+        run_dir: Path,
+        config: dict[str, Any],
+        log_cfg: Any,
+        total_steps: int,
+        probe: Callable[[], dict[str, float]] | None = None,
+    ) -> Follower:
+        trackers = open_trackers(log_cfg, run_dir, config)
+        return cls(run_dir, trackers, Progress(total_steps), probe if trackers else None)
 
     def poll(self) -> None:
+        self._read_files()
+        if self.probe is not None and time.monotonic() - self.probed >= PROBE_S:
+            self.probed = time.monotonic()
+            try:
+                values = self.probe()
+            except Exception as e:
+                log.warning("no data-plane metrics for the trackers: %s", e)
+                self.probe = None
+                return
+            for tracker in self.trackers:
+                tracker.scalars(max(self.done["metrics.jsonl"], 0), values)
+
+    def _read_files(self) -> None:
         for name, tail in self.tails.items():
             rows = tail.read()
             if name == "metrics.jsonl" and rows and self.progress is not None:

@@ -18,6 +18,7 @@ launcher was killed, its zygote does).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.columns import CONTROL, EVENT, FAILED
+from meshrl.dataplane.rpc_client import Wire
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
-from meshrl.observe.follow import Follower
+from meshrl.observe.follow import Follower, backlog
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
 from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
@@ -299,8 +301,13 @@ class Launcher:
         follower = None
         if self.lead:  # the progress line and the experiment trackers, from the run's files
             config = json.loads((self.run_dir / "config.json").read_text())
+            plane = Wire(controller, secret, f"launcher-{os.getpid()}.follow", timeout=5.0)
+
+            def probe() -> dict[str, float]:
+                return backlog(plane.call(plane.P.Status()))
+
             follower = Follower.for_run(
-                self.run_dir, config, self.recipe.log, self.recipe.total_steps
+                self.run_dir, config, self.recipe.log, self.recipe.total_steps, probe
             ).start()
         try:
             while running:
@@ -318,6 +325,8 @@ class Launcher:
         finally:
             if follower is not None:
                 follower.stop()
+                with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                    plane.close()
         return 0
 
     def _rejoin(self, child: Child) -> bool:
@@ -410,28 +419,13 @@ def _partitions(recipe: Recipe) -> list[tuple[str, int, list[str]]]:
 def _prepare_dataplane(
     controller: str, secret: str | None, partitions: list[tuple[str, int, list[str]]]
 ) -> tuple[str, str]:
-    """Create `partitions`; returns the run's id and shared-memory directory. Speaks the wire protocol
-    itself: the data-plane client imports torch, and a launcher does not."""
+    """Create `partitions`; returns the run's id and shared-memory directory."""
     from meshrl.dataplane import protocol as P
-    from meshrl.dataplane.rpc_client import RpcClient
 
-    rpc = RpcClient(controller, secret, 30.0)
-    name = f"launcher-{os.getpid()}"
-
-    def call(msg: Any) -> Any:
-        reply = P.decode_reply(rpc.call(P.encode(msg), 30.0))
-        if isinstance(reply, P.Error):
-            raise RuntimeError(f"data plane: {type(msg).__name__} refused: {reply.message}")
-        return reply
-
-    try:
-        hello = call(P.Hello(client=name, host=host_id(), pid=os.getpid()))
+    with Wire(controller, secret, f"launcher-{os.getpid()}") as wire:
         for part, capacity, retain in partitions:
-            call(P.CreatePartition(part, capacity, delete_when_acked_by=retain))
-        call(P.Bye(name))
-        return str(hello.run), str(hello.shm_dir)
-    finally:
-        rpc.close()
+            wire.call(P.CreatePartition(part, capacity, delete_when_acked_by=retain))
+        return str(wire.hello.run), str(wire.hello.shm_dir)
 
 
 def _my_address() -> str:

@@ -77,6 +77,7 @@ def step_row(
         "time/ring_s": times["ring_s"],
         "overhead_fraction": max(0.0, 1.0 - (gen_s + fb + opt) / step_s) if step_s > 0 else 0.0,
         "samples_per_s": n / step_s if step_s > 0 else 0.0,
+        "generate_tokens_per_s": samples["response_len_mean"] * n / gen_s if gen_s > 0 else 0.0,
     }
 
 

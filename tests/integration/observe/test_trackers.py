@@ -34,6 +34,7 @@ def test_every_tracker_holds_the_runs_metrics_on_one_step_axis(tmp_path, tiny_mo
     assert sorted(tb["train/reward_mean"]) == rewards
     assert [s for s, _ in sorted(tb["eval/greedy_accuracy"])] == [e["version"] for e in evals]
     assert {"train/loss", "train/time/step_s", "train/samples_per_s"} <= set(tb)
+    assert "dataplane/samples/trainer/ready" in tb  # the backlog, probed by the launcher
     texts = trackers_read.tensorboard_texts(run_dir / "tensorboard")
     assert len(texts) == 4 and all("| prompt |" in t or "prompt" in t.splitlines()[0] for t in texts)
 
