@@ -8,6 +8,11 @@ Every service adds columns to rows; none calls another (docs/architecture.md, "R
               inference    RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH
               reference    REF_LOGPROBS          reward model  RM_SCORE
               critic       VALUES                teacher       teacher_columns(prefix)
+              env          a whole trajectory at once (agents): PROMPT, RESPONSE, LOGPROBS, LOSS_MASK,
+                           TOKEN_VERSIONS, VERSION, GEN_S, GEN_BATCH, ENV_REWARD
+    tasks     agents: rollout's trajectory starts (PROMPT: the dataset prompt, for the record)
+    turns     agents: one row per turn; env writes PROMPT (the trajectory's ids so far) and its history
+              (LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS after the first context), inference GENERATED
     eval      the same flow for held-out prompts (PROMPT, then inference's columns)
     gate      the trainer's published weight versions (VERSION), which pace rollout
     control   run-wide events (EVENT: FINISHED or FAILED)
@@ -23,6 +28,8 @@ GATE = "gate"
 CONTROL = "control"
 CHECKPOINT = "checkpoint"
 CHECKPOINT_ACKS = "checkpoint_acks"
+TASKS = "tasks"
+TURNS = "turns"
 
 # columns of samples (and eval)
 PROMPT = "prompt"
@@ -48,6 +55,15 @@ TOKEN_REWARDS = "token_rewards"
 REF_LOGPROBS = "ref_logprobs"
 RM_SCORE = "rm_score"
 VALUES = "values"
+
+LOSS_MASK = "loss_mask"
+"""Per response token: 1 on the model's tokens, 0 on the environment's (multi-turn samples only)."""
+TOKEN_VERSIONS = "token_versions"
+"""Per response token: the weight version that generated it (-1: the environment's)."""
+TRAJ_LOGPROBS = "traj_logprobs"
+"""In `turns`: the behaviour logprobs of the trajectory's tokens so far (0 on the environment's)."""
+ENV_REWARD = "env_reward"
+"""The environment's reward of a trajectory (NaN: the environment failed; the sample is invalid)."""
 
 GENERATED = (RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH)
 """What inference writes."""

@@ -1,0 +1,135 @@
+"""One trajectory's moves, as pure async functions over an environment: start it from a dataset row,
+and advance it by one model turn. The environment service (meshrl/roles/env/service.py) calls these
+between the data plane's turn rows; tests call them directly.
+
+Every way an environment or a model can misbehave has one outcome here: a tool problem is a tool
+message (tools.py); a step or reset that raises, times out or returns something that is not messages,
+and a reward that fails, end the trajectory as failed (reward NaN: rollout counts the sample failed,
+the run goes on within `max_failed_fraction`); a trajectory past its turns or its token budget ends
+truncated (scored as it is, counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrl.envs.base import EnvError, Environment, State, Step, Turn, check_messages
+from meshrl.envs.parsers import Parser
+from meshrl.envs.render import Renderer
+from meshrl.envs.trajectory import Trajectory
+
+log = logging.getLogger("meshrl.env")
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 8
+    """Model turns per trajectory; the trajectory is truncated after the last."""
+    max_tokens: int = 1024
+    """Token budget of a whole trajectory (prompt, turns, replies): a reply that would leave no room
+    for another full turn of `max_new_tokens` truncates it instead."""
+    max_new_tokens: int = 64
+    """Inference's limit per turn (from the inference config)."""
+    step_timeout_s: float = 60.0
+    """Seconds `reset`, `step` or `reward` may take."""
+
+
+@dataclass
+class Outcome:
+    trajectory: Trajectory
+    state: State
+    done: bool = False
+    reward: float = math.nan
+    rewards: dict[str, float] = field(default_factory=dict)
+    truncated: bool = False
+    failed: str | None = None
+    """Why the trajectory failed (its reward is NaN), or None."""
+
+
+async def start(env: Environment, renderer: Renderer, row: dict[str, Any], limits: Limits) -> Outcome:
+    """Reset on `row` and render the first context; a failure ends the trajectory before any turn."""
+    try:
+        messages, state = await asyncio.wait_for(env.reset(row), limits.step_timeout_s)
+        messages = check_messages(messages, f"{type(env).__name__}.reset")
+        _check_state(state, "reset")
+        ids = renderer.first(messages)
+    except Exception as e:
+        return Outcome(Trajectory.start([renderer.stop]), {}, done=True, failed=_why("reset", e, limits))
+    traj = Trajectory.start(ids)
+    if len(ids) + limits.max_new_tokens > limits.max_tokens:
+        return await _finish(env, Outcome(traj, state, truncated=True), None, limits)
+    return Outcome(traj, state)
+
+
+async def advance(
+    env: Environment,
+    renderer: Renderer,
+    parser: Parser,
+    outcome: Outcome,
+    response: list[int],
+    logprobs: list[float],
+    version: int,
+    limits: Limits,
+) -> Outcome:
+    """Append the model's turn exactly as generated, step the environment, and append its reply (or end
+    the trajectory: done, out of turns or budget, or failed)."""
+    traj, state = outcome.trajectory, outcome.state
+    traj.add_model(response, logprobs, version)
+    text = renderer.decode(response)
+    turn = Turn(text, parser.parse(text))
+    try:
+        step = await asyncio.wait_for(env.step(state, turn), limits.step_timeout_s)
+        if not isinstance(step, Step):
+            raise EnvError(f"{type(env).__name__}.step returned {type(step).__name__}, not a Step")
+        messages = check_messages(step.messages, f"{type(env).__name__}.step")
+        _check_state(state, "step")
+    except Exception as e:
+        return Outcome(traj, state, done=True, failed=_why("step", e, limits))
+    if step.done:
+        return await _finish(env, outcome, turn, limits)
+    if traj.turns >= limits.max_turns:
+        outcome.truncated = True
+        return await _finish(env, outcome, turn, limits)
+    reply = renderer.reply(messages, after_stop=bool(response) and response[-1] == renderer.stop)
+    if len(traj.ids) + len(reply) + limits.max_new_tokens > limits.max_tokens:
+        outcome.truncated = True
+        return await _finish(env, outcome, turn, limits)
+    traj.add_env(reply)
+    return outcome
+
+
+async def _finish(env: Environment, outcome: Outcome, final: Turn | None, limits: Limits) -> Outcome:
+    """Take the reward: one number, or named ones (summed); a failure makes it NaN."""
+    outcome.done = True
+    try:
+        value = await asyncio.wait_for(env.reward(outcome.state, final), limits.step_timeout_s)
+        named = dict(value) if isinstance(value, dict) else {"reward": value}
+        named = {str(k): float(v) for k, v in named.items()}
+        total = math.fsum(named.values())
+        if not math.isfinite(total):
+            raise EnvError(f"reward is {total}")
+    except Exception as e:
+        outcome.failed = _why("reward", e, limits)
+        return outcome
+    outcome.reward, outcome.rewards = total, named
+    return outcome
+
+
+def _check_state(state: Any, where: str) -> None:
+    if not isinstance(state, dict):
+        raise EnvError(f"{where}: the state must be a dict, got {type(state).__name__}")
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as e:
+        raise EnvError(f"{where}: the state must be JSON-serialisable ({e})") from e
+
+
+def _why(where: str, e: BaseException, limits: Limits) -> str:
+    if isinstance(e, TimeoutError):
+        return f"{where} timed out after {limits.step_timeout_s:g}s"
+    return f"{where} raised {type(e).__name__}: {e}"

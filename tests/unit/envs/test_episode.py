@@ -1,0 +1,144 @@
+"""A trajectory's token layout and loss mask, built by hand through the episode functions with the tiny
+model's tokenizer; and the defined outcome of every kind of misbehaving environment."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+from meshrl.columns import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
+from meshrl.envs import Environment, Limits, PlainParser, Renderer, State, Step, Turn, advance, start, tool
+from meshrl.models.tiny import build_tokenizer
+
+
+@tool
+def calc(expression: str) -> int:
+    """Evaluate a sum of integers.
+
+    Args:
+        expression: like 12+34
+    """
+    return sum(int(t) for t in expression.split("+"))
+
+
+class Calc(Environment):
+    tools = (calc,)
+
+    async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
+        return [{"role": "user", "content": row["q"]}], {"answer": row["a"]}
+
+    async def reward(self, state: State, final: Turn | None) -> dict[str, float]:
+        right = final is not None and final.content.strip() == str(state["answer"])
+        return {"correct": float(right), "format": 0.5}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return build_tokenizer()
+
+
+def ids(tok: Any, text: str) -> list[int]:
+    return list(tok(text)["input_ids"])
+
+
+SHORT = Limits(max_new_tokens=8)
+
+
+def play(env: Environment, tok: Any, turns: list[str], limits: Limits = SHORT) -> Any:
+    renderer = Renderer(tok, env.tools, tool_role="user")
+    parser = PlainParser([t.name for t in env.tools])
+
+    async def go() -> Any:
+        out = await start(env, renderer, {"q": "12+34+5=", "a": 51}, limits)
+        for k, text in enumerate(turns):
+            if out.done:
+                break
+            response = [*ids(tok, text), tok.eos_token_id]
+            out = await advance(env, renderer, parser, out, response, [-0.5] * len(response), 10 + k, limits)
+        return out
+
+    return asyncio.run(go())
+
+
+def test_layout_and_loss_mask(tok: Any) -> None:
+    out = play(Calc(), tok, ["calc(12+34+5)", "51"])
+    assert out.done and not out.truncated and out.failed is None
+    assert out.reward == 1.5 and out.rewards == {"correct": 1.0, "format": 0.5}
+    sample = out.trajectory.sample()
+    eos = tok.eos_token_id
+    prompt = ids(tok, "<|user|>12+34+5=<|assistant|>")
+    turn1, reply, turn2 = (
+        [*ids(tok, "calc(12+34+5)"), eos],
+        ids(tok, "<|user|>51<|assistant|>"),
+        [*ids(tok, "51"), eos],
+    )
+    assert sample[PROMPT].tolist() == prompt
+    assert sample[RESPONSE].tolist() == turn1 + reply + turn2  # the model's ids exactly as given
+    assert sample[LOSS_MASK].tolist() == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
+    assert sample[LOGPROBS].tolist() == [-0.5] * len(turn1) + [0.0] * len(reply) + [-0.5] * len(turn2)
+    assert sample[TOKEN_VERSIONS].tolist() == [10] * len(turn1) + [-1] * len(reply) + [11] * len(turn2)
+    assert out.trajectory.version_range == (10, 11)
+    assert tok.decode(sample[PROMPT].tolist() + sample[RESPONSE].tolist()) == (
+        "<|user|>12+34+5=<|assistant|>calc(12+34+5)<eos><|user|>51<|assistant|>51<eos>"
+    )
+
+
+def test_out_of_turns_and_out_of_budget_truncate(tok: Any) -> None:
+    out = play(Calc(), tok, ["calc(1)"] * 5, Limits(max_turns=3, max_new_tokens=8))
+    assert out.done and out.truncated and out.trajectory.turns == 3 and out.reward == 0.5
+    out = play(Calc(), tok, ["calc(1)"] * 5, Limits(max_tokens=40, max_new_tokens=8))
+    assert out.done and out.truncated and len(out.trajectory.ids) + 8 <= 40 + 8
+    assert out.trajectory.turns < 5
+
+
+class Broken(Calc):
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
+        if self.where == "reset":
+            raise ValueError("no such row")
+        if self.where == "not-messages":
+            return "hello", {}  # type: ignore[return-value]
+        if self.where == "state":
+            return [{"role": "user", "content": "x"}], {"f": object()}
+        return await super().reset(row)
+
+    async def step(self, state: State, turn: Turn) -> Step:
+        if self.where == "step":
+            raise KeyError("oops")
+        if self.where == "hang":
+            await asyncio.sleep(10)
+        return await super().step(state, turn)
+
+    async def reward(self, state: State, final: Turn | None) -> dict[str, float]:
+        if self.where == "reward":
+            return {"r": math.inf}
+        return await super().reward(state, final)
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("reset", "reset raised ValueError: no such row"),
+        ("not-messages", "reset raised EnvError: Broken.reset returned str 'hello', not a list"),
+        ("state", "reset raised EnvError: reset: the state must be JSON-serialisable"),
+        ("step", "step raised KeyError: 'oops'"),
+        ("hang", "step timed out after 0.2s"),
+        ("reward", "reward raised EnvError: reward is inf"),
+    ],
+)
+def test_a_misbehaving_environment_fails_the_trajectory(tok: Any, where: str, why: str) -> None:
+    out = play(Broken(where), tok, ["calc(1)", "2"], Limits(max_new_tokens=8, step_timeout_s=0.2))
+    assert out.done and math.isnan(out.reward)
+    assert out.failed is not None and out.failed.startswith(why), out.failed
+
+
+def test_malformed_call_is_a_tool_message_not_a_failure(tok: Any) -> None:
+    out = play(Calc(), tok, ["calc(1+(2", "3"])
+    assert out.failed is None and out.reward == 0.5
+    text = tok.decode(out.trajectory.ids)
+    assert "<|user|>error: unbalanced parentheses<|assistant|>" in text
