@@ -62,6 +62,7 @@ def pack(
     values: Ragged | None = None,
     returns: Ragged | None = None,
     teachers: dict[str, tuple[Ragged, Ragged, Ragged]] | None = None,
+    loss_mask: Ragged | None = None,
 ) -> TrainBatch:
     """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
 
@@ -80,6 +81,8 @@ def pack(
     attn = (torch.arange(width)[None, :] < (pl + rl)[:, None]).long()
     mask = torch.zeros((n, width - 1), dtype=torch.bool)
     mask[row_r, col_r - 1] = valid.bool()[row_r]
+    if loss_mask is not None:
+        mask[row_r, col_r - 1] &= loss_mask.values.bool()
 
     def tokens(column: Ragged | list[torch.Tensor] | None, dtype: torch.dtype = torch.float32) -> Any:
         if column is None:

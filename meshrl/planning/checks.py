@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from meshrl.columns import REF_LOGPROBS, RM_SCORE, VALUES, teacher_columns
+from meshrl.columns import ENV_REWARD, REF_LOGPROBS, RM_SCORE, VALUES, teacher_columns
 from meshrl.planning.recipe import ColocationRing, Recipe, Scheduling, ServiceGroup
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ PRODUCER_HINTS = {
     VALUES: "add a critic service group (or enable the trainer's value head)",
     REF_LOGPROBS: "add a reference service group",
     RM_SCORE: "add a reward-model service group",
+    ENV_REWARD: "add an environment service group (meshrl.roles.env.config.EnvConfig)",
     **dict.fromkeys(teacher_columns("teacher"), "add a teacher service group"),
 }
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from meshrl.columns import EVAL, GENERATED, PROMPT, SAMPLES
+from meshrl.columns import EVAL, GENERATED, PROMPT, SAMPLES, TURNS
 from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class InferenceConfig(ServiceConfig):
         return {SAMPLES: (PROMPT,), EVAL: (PROMPT,)}
 
     def writes(self) -> Columns:
-        return {SAMPLES: GENERATED, EVAL: GENERATED}
+        return {SAMPLES: GENERATED, EVAL: GENERATED, TURNS: GENERATED}
 
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []

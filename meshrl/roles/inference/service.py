@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import EVAL, GEN_BATCH, GEN_S, LOGPROBS, PROMPT, RESPONSE, SAMPLES, VERSION
+from meshrl.columns import EVAL, GEN_BATCH, GEN_S, LOGPROBS, PROMPT, RESPONSE, SAMPLES, TURNS, VERSION
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
+from meshrl.roles.env.config import has_env
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.roles.trainer.config import TrainerConfig
@@ -155,8 +156,10 @@ class InferenceService(Service):
             self.ring.on_preempt = on_preempt
             self.acquiring = self.ring.acquire_async(loop)
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
+        # agents: trajectories are generated a turn at a time, in `turns` (`samples` gets them whole)
+        work = TURNS if has_env(self.ctx.recipe) else SAMPLES
         pending: dict[str, asyncio.Task[Any]] = {
-            kind: asyncio.create_task(self.claim(client, kind, cfg.max_batch)) for kind in (EVAL, SAMPLES)
+            kind: asyncio.create_task(self.claim(client, kind, cfg.max_batch)) for kind in (EVAL, work)
         }
         run_over = asyncio.create_task(self.watch_run(client))
         version_task: asyncio.Task[Any] = asyncio.create_task(self.new_version.wait())
@@ -353,8 +356,8 @@ class InferenceService(Service):
                     int(batch.meta_of("eval_version", 0)[i] or 0),
                     int(batch.meta_of("prompt_id", 0)[i] or 0),
                 )
-            else:
-                key = (0, int(groups[i]), 0)
+            else:  # a trajectory's turns differ by their number
+                key = (0, int(groups[i]), int(batch.meta_of("turn", 0)[i] or 0))
             seeds.append(hash((self.ctx.recipe.seed, *key, int(members[i] or 0))) % 2**63)
         return seeds
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from meshrl.columns import (
     ADVANTAGE,
     CHECKPOINT_ACKS,
+    ENV_REWARD,
     EVAL,
     GATE,
     LOGPROBS,
@@ -23,6 +24,7 @@ from meshrl.columns import (
     RM_SCORE,
     SAMPLES,
     STEP,
+    TASKS,
     TOKEN_REWARDS,
     VALID,
     VALUES,
@@ -33,7 +35,7 @@ from meshrl.planning.config import Columns, ServiceConfig
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
 
-BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}
+BUILTIN_TASKS = {"arith": "meshrl.tasks.arith", "agent_calc": "meshrl.tasks.agent_calc"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +60,8 @@ class RolloutConfig(ServiceConfig):
     """Weight of the rule reward in the reward trained on (0: the rule only evaluates)."""
     rm_weight: float = 0.0
     """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""
+    env_weight: float = 0.0
+    """Weight of the environment's reward `env_reward` (> 0 needs an environment service: agents)."""
     max_prompt_len: int = 64
     """Tokens; longer prompts are skipped and counted."""
     window: int | None = 1
@@ -113,7 +117,9 @@ class RolloutConfig(ServiceConfig):
             yield f"reward: {self.reward!r} must look like 'package.module:function'"
         if self.reward is None and self.reward_weight != 0:
             yield "reward_weight: needs a reward function"
-        if not ((self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0):
+        if not (
+            (self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0 or self.env_weight > 0
+        ):
             yield "reward: nothing to train on: set a reward function with reward_weight > 0, or rm_weight > 0"
         if self.values == "trainer" and self.advantage != "gae":
             yield "values: 'trainer' is for advantage=gae"
@@ -132,6 +138,8 @@ class RolloutConfig(ServiceConfig):
         cols: tuple[str, ...] = (PROMPT, RESPONSE)
         if self.rm_weight > 0:
             cols += (RM_SCORE,)
+        if self.env_weight > 0:
+            cols += (ENV_REWARD,)
         if self.kl_in_reward > 0:
             cols += (LOGPROBS, REF_LOGPROBS)
         if self.advantage == "gae" and self.values == "critic":
@@ -152,6 +160,7 @@ class RolloutConfig(ServiceConfig):
         return {
             SAMPLES: (PROMPT, REWARD, *self.advantage_columns, VALID),
             EVAL: (PROMPT,),
+            TASKS: (PROMPT,),  # agents' trajectory starts (meshrl/roles/env)
             CHECKPOINT_ACKS: (STEP,),
         }
 

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import PROMPT, SAMPLES
+from meshrl.columns import PROMPT, SAMPLES, TASKS
 from meshrl.dataplane import AsyncClient
 from meshrl.dataplane.protocol import Meta
 from meshrl.planning.recipe import Recipe
+from meshrl.roles.env.config import has_env
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.state.checkpoint import Pause
@@ -54,6 +55,8 @@ class Feed:
         for _ in range(state.epoch + 1):  # this epoch's order: the same shuffles from the same seed
             self.reshuffle()
         self.changed = asyncio.Event()  # gates counted, or samples handed back: there may be room
+        # agents: a row starts a trajectory, which the environment service turns into a sample
+        self.partition = TASKS if has_env(recipe) else SAMPLES
 
     def reshuffle(self) -> None:
         self.order = list(range(len(self.rows)))
@@ -128,7 +131,7 @@ class Feed:
             rows += [tokens[index] if tokens else self.encode(self.rows[index])] * n
             meta += [{"group": group, "member": k, "prompt_id": index, "epoch": epoch, "min_version": need}
                      for k in range(n)]  # fmt: skip
-        await client.put(SAMPLES, {PROMPT: rows}, meta=meta, timeout=3600, key=key)
+        await client.put(self.partition, {PROMPT: rows}, meta=meta, timeout=3600, key=key)
 
     def next_prompt(self) -> tuple[int, torch.Tensor]:
         """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""

@@ -26,6 +26,7 @@ from meshrl.algorithms import filters
 from meshrl.algorithms.losses import AdaptiveKL, kl
 from meshrl.columns import (
     ADVANTAGE,
+    ENV_REWARD,
     LOGPROBS,
     REF_LOGPROBS,
     RESPONSE,
@@ -173,6 +174,10 @@ class Scoring:
             reward += cfg.reward_weight * rule
         if cfg.rm_weight > 0:
             reward += cfg.rm_weight * batch.tensor(RM_SCORE).float()
+        if cfg.env_weight > 0:  # NaN: the environment failed on that trajectory
+            env = batch.tensor(ENV_REWARD).float()
+            valid &= env.isfinite()
+            reward += cfg.env_weight * env.nan_to_num(0.0)
         if cfg.overlong_max_len is not None:
             lengths = batch.ragged(RESPONSE).lengths
             reward += filters.overlong_penalty(

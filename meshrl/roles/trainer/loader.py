@@ -13,6 +13,7 @@ from meshrl.columns import (
     GEN_BATCH,
     GEN_S,
     LOGPROBS,
+    LOSS_MASK,
     PROMPT,
     REF_LOGPROBS,
     RESPONSE,
@@ -52,6 +53,7 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
             name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
             for name in (cfg.teachers if cfg.distills else ())
         },
+        loss_mask=batch.ragged(LOSS_MASK) if LOSS_MASK in batch else None,
     )
     versions = batch.tensor(VERSION)
     summary = {
@@ -75,12 +77,15 @@ class Loader:
     with the one training, no more rows are held than a rank needs. Its own data-plane connection:
     a claim waiting for rows must not hold up the trainer's acknowledgements."""
 
-    def __init__(self, client: Client, cfg: TrainerConfig, n: int, group_size: int) -> None:
-        """Mini-batches of `n` rows (whole groups of `group_size`) with the columns `cfg` trains on."""
+    def __init__(
+        self, client: Client, cfg: TrainerConfig, n: int, group_size: int, extra: tuple[str, ...] = ()
+    ) -> None:
+        """Mini-batches of `n` rows (whole groups of `group_size`) with the columns `cfg` trains on, and
+        `extra` (LOSS_MASK when an environment writes multi-turn samples)."""
         self.client = client
         self.cfg = cfg
         self.stream = client.stream(
-            SAMPLES, "trainer", cfg.columns(), n, min_n=n, group_size=group_size, prefetch=1,
+            SAMPLES, "trainer", (*cfg.columns(), *extra), n, min_n=n, group_size=group_size, prefetch=1,
             poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
         )  # fmt: skip
         self.ready: queue.Queue[MiniBatch] = queue.Queue(maxsize=1)

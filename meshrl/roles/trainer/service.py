@@ -25,11 +25,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.losses import AdaptiveKL
-from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, STEP
+from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, LOSS_MASK, STEP
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch
 from meshrl.observe.metrics import JsonlSink
+from meshrl.roles.env.config import has_env
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
@@ -185,8 +186,9 @@ class TrainerService(Service):
             cfg = self.config
             n = self.ctx.recipe.batch_size // cfg.mini_batches // self.world
             self.loader = Loader(
-                self.ctx.client(f"{self.ctx.name}-loader"), cfg, n, self.ctx.recipe.group_size
-            )
+                self.ctx.client(f"{self.ctx.name}-loader"), cfg, n, self.ctx.recipe.group_size,
+                extra=(LOSS_MASK,) if has_env(self.ctx.recipe) else (),
+            )  # fmt: skip
         while True:
             mini = self.loader.get(timeout=CLAIM_POLL_S)
             if mini is not None:

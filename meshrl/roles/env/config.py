@@ -1,0 +1,112 @@
+"""Configuration of the environment service (multi-turn agents; meshrl/roles/env/service.py)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from meshrl.columns import (
+    ENV_REWARD,
+    GEN_BATCH,
+    GEN_S,
+    LOGPROBS,
+    LOSS_MASK,
+    PROMPT,
+    RESPONSE,
+    SAMPLES,
+    TASKS,
+    TOKEN_VERSIONS,
+    TRAJ_LOGPROBS,
+    TURNS,
+    VERSION,
+)
+from meshrl.planning.config import Columns, ServiceConfig
+
+if TYPE_CHECKING:
+    from meshrl.planning.recipe import Recipe, ServiceGroup
+
+HISTORY = (LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS)
+"""A turn row's record of the trajectory so far, one value per token of its PROMPT."""
+TURN_READS = (PROMPT, *HISTORY, RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH)
+SAMPLE_WRITES = (PROMPT, RESPONSE, LOGPROBS, LOSS_MASK, TOKEN_VERSIONS, VERSION, GEN_S, GEN_BATCH, ENV_REWARD)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig(ServiceConfig):
+    service = "meshrl.roles.env.service:EnvService"
+    rejoins = True  # it keeps nothing of its own: every trajectory lives in its turn rows
+
+    model: str
+    """Local path of the policy: its tokenizer and chat template render the environment's messages."""
+    environment: str
+    """`package.module:Class`, a subclass of meshrl.envs.Environment built without arguments."""
+    rollout: str = "rollout"
+    """The rollout group whose dataset rows the environment resets from (by the row's prompt_id)."""
+    inference: str = "inference"
+    """The inference group that generates the turns (its max_new_tokens bounds one turn)."""
+    parser: Literal["hermes", "plain"] = "hermes"
+    """Tool-call format: "hermes" (<tool_call>{json}</tool_call>, Qwen) or "plain" (name(text))."""
+    tool_role: str = "tool"
+    """Role tool results are rendered as; "user" for chat templates without a tool role."""
+    max_turns: int = 8
+    """Model turns per trajectory; one that reaches it is truncated (scored as it is, counted)."""
+    max_tokens: int = 2048
+    """Token budget of a trajectory; a reply that leaves no room for a full turn truncates it."""
+    step_timeout_s: float = 60.0
+    """Seconds reset, step or reward may take before the trajectory fails."""
+    concurrency: int = 256
+    """Trajectories one replica steps at once (asyncio); a trajectory waiting on a tool holds one of
+    these, never a generation slot."""
+    lease_s: float = 900.0
+    """A replica that hangs gives its trajectories back after this long (one that dies: at once)."""
+
+    def validate(self) -> Iterator[str]:
+        if ":" not in self.environment:
+            yield f"environment: {self.environment!r} must look like 'package.module:Class'"
+        if self.max_turns < 1:
+            yield "max_turns: must be >= 1"
+        if self.concurrency < 1:
+            yield "concurrency: must be >= 1"
+        if self.step_timeout_s <= 0 or self.lease_s <= self.step_timeout_s:
+            yield "step_timeout_s: must be > 0 and below lease_s"
+
+    def reads(self) -> Columns:
+        return {TASKS: (PROMPT,), TURNS: TURN_READS}
+
+    def writes(self) -> Columns:
+        return {TURNS: (PROMPT, *HISTORY), SAMPLES: SAMPLE_WRITES}
+
+    def retention(self) -> Columns:
+        return {TASKS: ("env",), TURNS: ("env",)}
+
+    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+        from meshrl.envs import Environment
+        from meshrl.roles.inference.config import InferenceConfig
+        from meshrl.roles.rollout.config import RolloutConfig
+
+        problems = []
+        ids = {g.id: g for g in recipe.groups}
+        if not isinstance(getattr(ids.get(self.rollout), "config", None), RolloutConfig):
+            problems.append(f"rollout: {self.rollout!r} is not a rollout group of this recipe")
+        inference = getattr(ids.get(self.inference), "config", None)
+        if not isinstance(inference, InferenceConfig):
+            problems.append(f"inference: {self.inference!r} is not an inference group of this recipe")
+        elif inference.max_new_tokens >= self.max_tokens:
+            problems.append(
+                f"max_tokens: {self.max_tokens} leaves no room for one turn of {inference.max_new_tokens}"
+            )
+        module, _, name = self.environment.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError as e:
+            return [*problems, f"environment: cannot import {module!r}: {e}"]
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            problems.append(f"environment: {self.environment!r} is not a subclass of meshrl.envs.Environment")
+        return problems
+
+
+def has_env(recipe: Recipe) -> bool:
+    """The recipe trains multi-turn agents: trajectories start in `tasks` and are generated in `turns`."""
+    return any(isinstance(g.config, EnvConfig) for g in recipe.groups)

@@ -1,0 +1,233 @@
+"""The environment service: multi-turn trajectories stepped between the data plane's turn rows.
+
+No orchestrator: a turn is a row. Rollout's feed writes a trajectory start into `tasks` (paced by the
+window, as single-turn prompts are). A replica claims it, resets the environment on the dataset row and
+writes the first context as a row of `turns`; inference claims that row like any generation work and
+writes the response; a replica claims the finished turn, appends the model's tokens exactly as
+generated, steps the environment (tools run concurrently, under timeouts) and writes either the next
+turn row (the trajectory's ids so far, its history per token and the environment's state in the
+row's metadata) or, when the trajectory is over, the trained sample into `samples`, with its loss mask,
+behaviour logprobs, per-token weight versions and the environment's reward. Each replica steps many
+trajectories at once on asyncio; one waiting on a slow tool holds an env slot, never a generation slot.
+
+Exactly once: every row this service writes carries an idempotency key (turn k of trajectory t,
+or the sample of t) and its claim is acknowledged only after the write. A replica killed mid-step
+loses nothing: its claimed rows return to the pool when its connection closes, and whichever replica
+takes them (its successor, or another) steps that turn again from the row, i.e. the trajectory resumes
+from its last written turn; a write its predecessor already made is not made twice (the data plane
+applies a key once; it remembers the last 4096 keys). The environment's own side effects in that
+step (a tool that wrote somewhere) are repeated: tools that must not repeat need keys of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+from typing import Any
+
+import torch
+
+from meshrl.columns import (
+    ENV_REWARD,
+    GEN_BATCH,
+    GEN_S,
+    LOGPROBS,
+    LOSS_MASK,
+    PROMPT,
+    RESPONSE,
+    SAMPLES,
+    TASKS,
+    TOKEN_VERSIONS,
+    TRAJ_LOGPROBS,
+    TURNS,
+    VERSION,
+)
+from meshrl.dataplane import AsyncClient, Batch
+from meshrl.envs import Environment, Limits, Outcome, Renderer, Trajectory, advance, build_parser, start
+from meshrl.roles.env.config import TURN_READS, EnvConfig
+from meshrl.roles.inference.config import InferenceConfig
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.data import load_rows
+from meshrl.runtime.service import WATCH_S, Service
+
+CARRIED = ("group", "member", "prompt_id", "epoch", "min_version")
+"""Metadata of the trajectory start that every turn row and the sample keep (rollout groups by them,
+inference seeds and paces by them)."""
+
+
+class EnvService(Service):
+    def setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        cfg, recipe = self.config, self.ctx.recipe
+        rollout = recipe.group(cfg.rollout).config
+        inference = recipe.group(cfg.inference).config
+        assert isinstance(rollout, RolloutConfig) and isinstance(inference, InferenceConfig)
+        self.rows, _ = load_rows(rollout)
+        module, _, name = cfg.environment.partition(":")
+        self.env: Environment = getattr(importlib.import_module(module), name)()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.renderer = Renderer(tokenizer, self.env.tools, tool_role=cfg.tool_role)
+        self.parser = build_parser(cfg.parser, [t.name for t in self.env.tools])
+        self.limits = Limits(
+            max_turns=cfg.max_turns,
+            max_tokens=cfg.max_tokens,
+            max_new_tokens=inference.max_new_tokens,
+            step_timeout_s=cfg.step_timeout_s,
+        )
+        self.counts = {"started": 0, "turns": 0, "finished": 0, "truncated": 0, "failed": 0}
+        self.reward_sums: dict[str, float] = {}
+
+    @property
+    def config(self) -> EnvConfig:
+        cfg = self.ctx.config
+        assert isinstance(cfg, EnvConfig)
+        return cfg
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+    async def serve(self) -> None:
+        client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
+        self.slots = asyncio.Semaphore(self.config.concurrency)
+        self.steps: set[asyncio.Task[None]] = set()
+        jobs = [
+            asyncio.create_task(self.pump(client, TASKS, (PROMPT,), self.begin)),
+            asyncio.create_task(self.pump(client, TURNS, TURN_READS, self.turn)),
+        ]
+        run_over = asyncio.create_task(self.watch_run(client))
+        try:
+            done, _ = await asyncio.wait([*jobs, run_over], return_when="FIRST_COMPLETED")
+            for t in done:
+                t.result()  # a failure of ours, or of the run elsewhere
+        finally:
+            for t in [*jobs, run_over, *self.steps]:
+                t.cancel()
+            await asyncio.gather(*jobs, run_over, *self.steps, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await client.close()
+
+    async def pump(self, client: AsyncClient, partition: str, columns: tuple[str, ...], handle: Any) -> None:
+        """Claim as many rows as there are free slots, and handle each in a task of its own."""
+        while True:
+            await self.slots.acquire()
+            n = 1
+            while n < 64 and not self.slots.locked():
+                await self.slots.acquire()
+                n += 1
+            try:
+                batch = await client.claim(
+                    partition, "env", list(columns), n, timeout=WATCH_S, lease=self.config.lease_s
+                )
+            except BaseException:
+                for _ in range(n):
+                    self.slots.release()
+                raise
+            for _ in range(n - len(batch)):
+                self.slots.release()
+            for i in range(len(batch)):
+                task = asyncio.create_task(self.guarded(client, batch, i, handle))
+                self.steps.add(task)
+                task.add_done_callback(self.steps.discard)
+
+    async def guarded(self, client: AsyncClient, batch: Batch, i: int, handle: Any) -> None:
+        """Handle row `i`, then acknowledge it; a data-plane failure stops the service (its rows return)."""
+        try:
+            await handle(client, batch, i)
+            await client.ack(batch, batch.ids[i : i + 1])
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.log.exception("row %d of %s failed", int(batch.ids[i]), batch.partition)
+            raise SystemExit(1) from e  # the service dies; a successor replays the row
+        finally:
+            self.slots.release()
+            self.ctx.health.info.update(self.counts, active=len(self.steps))
+
+    # ---------------------------------------------------------------------------------------------------
+
+    async def begin(self, client: AsyncClient, batch: Batch, i: int) -> None:
+        """A trajectory start: reset, then its first turn row (or, if reset failed, its sample)."""
+        meta = {k: (batch.meta or [{}])[i].get(k) for k in CARRIED}  # type: ignore[union-attr]
+        meta["traj"] = int(batch.ids[i])
+        out = await start(self.env, self.renderer, self.rows[int(meta["prompt_id"] or 0)], self.limits)
+        self.counts["started"] += 1
+        await (self.finish(client, out, meta, 0) if out.done else self.write_turn(client, out, meta))
+
+    async def turn(self, client: AsyncClient, batch: Batch, i: int) -> None:
+        """A generated turn: append it, step the environment, write the next turn or the sample."""
+        meta = dict((batch.meta or [{}])[i] or {})
+        out = Outcome(_trajectory(batch, i, meta), json.loads(str(meta.pop("state"))))
+        out.trajectory.gen_s += float(batch.tensor(GEN_S)[i])
+        first, last = batch.tensor(VERSION)[i].tolist()
+        response = batch.ragged(RESPONSE)[i].tolist()
+        logprobs = batch.ragged(LOGPROBS)[i].tolist()
+        out = await advance(
+            self.env, self.renderer, self.parser, out, response, logprobs, int(last), self.limits
+        )
+        self.counts["turns"] += 1
+        if first != last:  # interrupted by a weight update: record the first version of the turn
+            out.trajectory.versions[-len(response) :] = [int(first)] * len(response)
+        gen_batch = int(batch.tensor(GEN_BATCH)[i])
+        await (self.finish(client, out, meta, gen_batch) if out.done else self.write_turn(client, out, meta))
+
+    async def write_turn(self, client: AsyncClient, out: Outcome, meta: dict[str, Any]) -> None:
+        traj = out.trajectory
+        columns: dict[str, Any] = {
+            PROMPT: [torch.tensor(traj.ids, dtype=torch.int64)],
+            LOSS_MASK: [torch.tensor([0] * traj.prompt_len + traj.mask, dtype=torch.int8)],
+            TRAJ_LOGPROBS: [torch.tensor([0.0] * traj.prompt_len + traj.logprobs, dtype=torch.float32)],
+            TOKEN_VERSIONS: [torch.tensor([-1] * traj.prompt_len + traj.versions, dtype=torch.int64)],
+        }
+        row = {**meta, "turn": traj.turns, "prompt_len": traj.prompt_len, "gen_s_total": traj.gen_s,
+               "state": json.dumps(out.state)}  # fmt: skip
+        await client.put(TURNS, columns, meta=[row], timeout=3600, key=f"turn/{meta['traj']}/{traj.turns}")
+
+    async def finish(self, client: AsyncClient, out: Outcome, meta: dict[str, Any], gen_batch: int) -> None:
+        """The trajectory's sample into `samples` (reward NaN when it failed: rollout counts it)."""
+        traj = out.trajectory
+        if len(traj.ids) == traj.prompt_len:  # ended before any turn: one masked token to carry the row
+            traj.add_env([self.renderer.stop])
+        first, last = traj.version_range
+        need = int(meta.get("min_version") or 0)
+        columns: dict[str, Any] = {k: [v] for k, v in traj.sample().items()}
+        columns[VERSION] = torch.tensor([[max(first, need), max(last, need)]], dtype=torch.int64)
+        columns[GEN_S] = torch.tensor([traj.gen_s], dtype=torch.float32)
+        columns[GEN_BATCH] = torch.tensor([gen_batch], dtype=torch.int64)
+        columns[ENV_REWARD] = torch.tensor([out.reward], dtype=torch.float32)
+        row = {**{k: meta.get(k) for k in CARRIED}, "turns": traj.turns, "truncated": out.truncated,
+               "failed": out.failed is not None}  # fmt: skip
+        self.count(out, int(meta["traj"]))
+        await client.put(SAMPLES, columns, meta=[row], timeout=3600, key=f"traj/{meta['traj']}")
+
+    def count(self, out: Outcome, traj: int) -> None:
+        c = self.counts
+        c["finished"] += 1
+        c["truncated"] += out.truncated
+        if out.failed is not None:
+            c["failed"] += 1
+            if c["failed"] <= 5 or c["failed"] % 100 == 0:
+                self.log.warning("trajectory %d failed (%d so far): %s", traj, c["failed"], out.failed)
+        for name, value in out.rewards.items():
+            self.reward_sums[name] = self.reward_sums.get(name, 0.0) + value
+        if c["finished"] % 50 == 0:
+            means = {k: round(v / c["finished"], 4) for k, v in self.reward_sums.items()}
+            self.log.info("trajectories: %s; mean rewards %s", c, means)
+            self.ctx.health.info["rewards"] = means
+
+
+def _trajectory(batch: Batch, i: int, meta: dict[str, Any]) -> Trajectory:
+    """The trajectory recorded in turn row `i` (its ids so far and their history)."""
+    n = int(meta.pop("prompt_len"))
+    ids = batch.ragged(PROMPT)[i].tolist()
+    return Trajectory(
+        ids=ids,
+        prompt_len=n,
+        mask=batch.ragged(LOSS_MASK)[i][n:].tolist(),
+        logprobs=batch.ragged(TRAJ_LOGPROBS)[i][n:].tolist(),
+        versions=batch.ragged(TOKEN_VERSIONS)[i][n:].tolist(),
+        turns=int(meta.pop("turn")),
+        gen_s=float(meta.pop("gen_s_total", 0.0)),
+    )

@@ -1,0 +1,65 @@
+"""Tool arithmetic: sums of three two-digit numbers, which the tiny model cannot do in its head, with a
+calculator tool it can call.
+
+A good trajectory is two turns: ``calc(12+34+56)``, the tool's reply ``102``, then the answer ``102``.
+The reward is the final answer's correctness (the arithmetic task's rule: the answer's digits, then
+nothing or a non-digit). The tiny model's characters have no braces, so calls use the plain-text
+format (`parser="plain"`), and its chat template has no tool role, so results come back as user
+messages (`tool_role="user"`). `warm.py` is the short supervised warm start on demonstrations.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from meshrl.envs import Environment, State, Step, Turn, tool
+from meshrl.tasks.arith import correct
+
+_SUM = re.compile(r"\s*-?\d+(\s*[+-]\s*\d+)*\s*")
+
+
+def all_problems(n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """`n` rows {"prompt": "a+b+c=", "answer": str(a+b+c)} with two-digit terms, drawn with `seed`."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        terms = [rng.randint(10, 99) for _ in range(3)]
+        rows.append({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))})
+    return rows
+
+
+def split(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out): the training rows, and no held-out rows (progress is the training reward)."""
+    return all_problems(seed=seed), []
+
+
+@tool
+def calc(expression: str) -> int:
+    """Add and subtract integers exactly.
+
+    Args:
+        expression: integers joined by + and -, like 12+34-5
+    """
+    if not _SUM.fullmatch(expression):
+        raise ValueError(f"only integers joined by + and - are allowed, got {expression!r}")
+    return sum(int(t) for t in re.findall(r"[+-]?\s*\d+", expression.replace(" ", "")))
+
+
+class CalcEnv(Environment):
+    """The model calls `calc` as often as it likes; a turn without a call is its answer."""
+
+    tools = (calc,)
+    tool_timeout_s = 5.0
+
+    async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
+        return [{"role": "user", "content": str(row["prompt"])}], {"answer": str(row["answer"]), "calls": 0}
+
+    async def step(self, state: State, turn: Turn) -> Step:
+        state["calls"] += len(turn.tool_calls)
+        return await super().step(state, turn)
+
+    async def reward(self, state: State, final: Turn | None) -> float:
+        answered = final is not None and not final.tool_calls
+        return float(answered and final is not None and correct(final.content, {"answer": state["answer"]}))

@@ -1,0 +1,67 @@
+"""A tool-using agent: the tiny model learns three-term sums with a calculator tool, by GRPO over
+multi-turn trajectories, synchronous (lock-step).
+
+    python -m meshrl.tasks.agent_calc.warm --model runs/tiny --out runs/agent-calc-sft
+    meshrl run recipes/agent_calc.py *.model=runs/agent-calc-sft
+
+Four services: rollout feeds trajectory starts and scores whole trajectories (the environment's
+reward, GRPO over each group of 8); the environment service (meshrl/tasks/agent_calc: CalcEnv) resets,
+parses `calc(...)` calls, runs the tool and writes each next turn; inference generates turns; the
+trainer trains on the model's tokens only (the loss mask). See README, "Writing an environment".
+"""
+
+from meshrl.planning.recipe import Recipe, ServiceGroup
+from meshrl.roles.env.config import EnvConfig
+from meshrl.roles.inference.config import InferenceConfig
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.trainer.config import TrainerConfig
+
+MODEL = "runs/agent-calc-sft"  # python -m meshrl.tasks.agent_calc.warm; override with *.model=PATH
+
+
+def recipe() -> Recipe:
+    return Recipe(
+        name="agent_calc",
+        total_steps=40,
+        seed=0,
+        prompts_per_step=8,
+        group_size=8,
+        temperature=1.0,
+        groups=(
+            ServiceGroup(
+                id="rollout",
+                config=RolloutConfig(
+                    model=MODEL,
+                    dataset="agent_calc",
+                    reward=None,
+                    reward_weight=0.0,
+                    env_weight=1.0,
+                    window=1,
+                ),
+            ),
+            ServiceGroup(
+                id="env",
+                config=EnvConfig(
+                    model=MODEL,
+                    environment="meshrl.tasks.agent_calc:CalcEnv",
+                    parser="plain",
+                    tool_role="user",
+                    max_turns=3,
+                    max_tokens=100,
+                    step_timeout_s=30.0,
+                ),
+            ),
+            ServiceGroup(
+                id="inference",
+                config=InferenceConfig(model=MODEL, max_new_tokens=16, threads=1),
+                devices_per_replica=1,
+            ),
+            ServiceGroup(
+                id="trainer",
+                config=TrainerConfig(
+                    model=MODEL, lr=3e-4, warmup_steps=3, mini_batches=2, micro_batch=32, threads=1
+                ),
+                devices_per_replica=1,
+            ),
+        ),
+    )
