@@ -1,7 +1,7 @@
 """A tool-using agent: the tiny model learns three-term sums with a calculator tool, by GRPO over
 multi-turn trajectories, synchronous (lock-step).
 
-    python -m meshrl.tasks.agent_calc.warm --model runs/tiny --out runs/agent-calc-sft
+    python -m meshrl.tasks.agent_calc.warm --model runs/arith-base --out runs/agent-calc-sft
     meshrl run recipes/agent_calc.py *.model=runs/agent-calc-sft
 
 Four services: rollout feeds trajectory starts and scores whole trajectories (the environment's

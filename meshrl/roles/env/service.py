@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import time
 from typing import Any
 
 import torch
@@ -79,6 +80,9 @@ class EnvService(Service):
         )
         self.counts = {"started": 0, "turns": 0, "finished": 0, "truncated": 0, "failed": 0}
         self.reward_sums: dict[str, float] = {}
+        # where finished trajectories' time went (logged at close; benchmarks/agent_sim.py reads it)
+        self.times = {"life_s": 0.0, "gen_s": 0.0, "env_s": 0.0}
+        self.span: list[float] = []  # first start, last finish (wall clock)
 
     @property
     def config(self) -> EnvConfig:
@@ -152,7 +156,10 @@ class EnvService(Service):
         """A trajectory start: reset, then its first turn row (or, if reset failed, its sample)."""
         meta = {k: (batch.meta or [{}])[i].get(k) for k in CARRIED}  # type: ignore[union-attr]
         meta["traj"] = int(batch.ids[i])
+        meta["t0"] = t0 = time.time()
+        self.span = self.span or [t0, t0]
         out = await start(self.env, self.renderer, self.rows[int(meta["prompt_id"] or 0)], self.limits)
+        meta["env_s"] = time.time() - t0
         self.counts["started"] += 1
         await (self.finish(client, out, meta, 0) if out.done else self.write_turn(client, out, meta))
 
@@ -164,9 +171,11 @@ class EnvService(Service):
         first, last = batch.tensor(VERSION)[i].tolist()
         response = batch.ragged(RESPONSE)[i].tolist()
         logprobs = batch.ragged(LOGPROBS)[i].tolist()
+        t0 = time.time()
         out = await advance(
             self.env, self.renderer, self.parser, out, response, logprobs, int(last), self.limits
         )
+        meta["env_s"] = float(meta.get("env_s") or 0.0) + time.time() - t0
         self.counts["turns"] += 1
         if first != last:  # interrupted by a weight update: record the first version of the turn
             out.trajectory.versions[-len(response) :] = [int(first)] * len(response)
@@ -200,7 +209,23 @@ class EnvService(Service):
         row = {**{k: meta.get(k) for k in CARRIED}, "turns": traj.turns, "truncated": out.truncated,
                "failed": out.failed is not None}  # fmt: skip
         self.count(out, int(meta["traj"]))
+        now = time.time()
+        if "t0" in meta:
+            self.times["life_s"] += now - float(meta["t0"])
+            self.times["gen_s"] += traj.gen_s
+            self.times["env_s"] += float(meta.get("env_s") or 0.0)
+            self.span[1] = max(self.span[1], now) if self.span else now
         await client.put(SAMPLES, columns, meta=[row], timeout=3600, key=f"traj/{meta['traj']}")
+
+    def close(self) -> None:
+        if getattr(self, "span", None):
+            c, t = self.counts, self.times
+            self.log.info(
+                "%d trajectories, %d turns, %.3f s from the first start to the last finish; trajectories' "
+                "time: %.3f s alive, %.3f s generating, %.3f s in the environment",
+                c["finished"], c["turns"], self.span[1] - self.span[0], t["life_s"], t["gen_s"], t["env_s"],
+            )  # fmt: skip
+        super().close()
 
     def count(self, out: Outcome, traj: int) -> None:
         c = self.counts

@@ -64,6 +64,8 @@ class InferenceService(Service):
         self.engine = self.build_engine()
         self.batches = 0
         self.generated = 0
+        self.busy_s = 0.0  # generating, from the first batch's start to the last's end (logged at close)
+        self.span: tuple[float, float] | None = None
         self.aborted = 0
         self.lock = threading.Lock()
         self.update_pending = threading.Event()
@@ -257,6 +259,12 @@ class InferenceService(Service):
             self.acquiring = self.ring.acquire_async(self.loop)
 
     def close(self) -> None:
+        if getattr(self, "span", None) is not None:
+            assert self.span is not None
+            self.log.info(
+                "generated %d rows in %d batches: %.3f s busy over %.3f s from the first batch to the last end",
+                self.generated, self.batches, self.busy_s, self.span[1] - self.span[0],
+            )  # fmt: skip
         if hasattr(self, "engine"):
             self.engine.close()
         super().close()
@@ -427,6 +435,8 @@ class InferenceService(Service):
                 if self.receiver_error is not None:
                     raise RuntimeError("weight receiver failed") from self.receiver_error
         gen_s = time.perf_counter() - t0
+        self.busy_s += gen_s
+        self.span = (t0 if self.span is None else self.span[0], t0 + gen_s)
         self.batches += 1
         self.generated += len(prompts)
         self.ctx.health.info.update(batches=self.batches, generated=self.generated)

@@ -4,7 +4,7 @@ the tool's result, on demonstration trajectories rendered exactly as the environ
 The loss covers the model's tokens only (the same mask RL trains with). A few hundred steps leave the
 model calling the tool and often, not always, copying the result right: room for RL to improve.
 
-    python -m meshrl.tasks.agent_calc.warm --model runs/tiny --out runs/agent-calc-sft --steps 300
+    python -m meshrl.tasks.agent_calc.warm --model runs/arith-base --out runs/agent-calc-sft --steps 300
 """
 
 from __future__ import annotations

@@ -1,0 +1,42 @@
+"""A simulated environment for agent benchmarks: each trajectory lasts 2-8 model turns and each step
+waits on a "tool" with a long-tailed latency (lognormal: median 50 ms, 99th percentile ~2 s), then
+replies with a short message. No tokens are looked at; the reward is 0.
+
+    environment="meshrl.envs.sim:SimToolEnv"      # benchmarks/agent_sim.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from typing import Any
+
+from meshrl.envs.base import Environment, State, Step, Turn
+
+MEDIAN_S = 0.05
+SIGMA = math.log(2.0 / MEDIAN_S) / 2.326  # the 99th percentile at 2 s
+MIN_TURNS, MAX_TURNS = 2, 8
+
+
+def tool_latency(rng: random.Random) -> float:
+    return rng.lognormvariate(math.log(MEDIAN_S), SIGMA)
+
+
+class SimToolEnv(Environment):
+    def __init__(self) -> None:
+        self.rng = random.Random()
+
+    async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
+        turns = self.rng.randint(MIN_TURNS, MAX_TURNS)
+        return [{"role": "user", "content": "go"}], {"left": turns}
+
+    async def step(self, state: State, turn: Turn) -> Step:
+        state["left"] -= 1
+        if state["left"] <= 0:
+            return Step([], done=True)
+        await asyncio.sleep(tool_latency(self.rng))
+        return Step([{"role": "user", "content": "ok"}])
+
+    async def reward(self, state: State, final: Turn | None) -> float:
+        return 0.0

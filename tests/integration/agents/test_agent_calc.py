@@ -1,0 +1,80 @@
+"""Multi-turn agents end to end (real processes, CPU): the calculator-tool task learns, and SIGKILLs of
+the environment service mid-run lose and repeat no trajectory."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from meshrl.dataplane.ledger import account
+from tests.integration.fault.test_kill import kill_repeatedly, start
+from tests.integration.grpo.test_grpo import REPO, rows, run
+
+RECIPE = str(REPO / "recipes" / "agent_calc.py")
+ASYNC = str(REPO / "recipes" / "agent_calc_async.py")
+BATCH = 8 * 8  # prompts_per_step x group_size
+
+
+@pytest.fixture(scope="session")
+def calc_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after the task's warm start: it calls the tool, and copies its result sometimes."""
+    import torch
+
+    from meshrl.tasks.agent_calc.warm import train
+
+    out = tmp_path_factory.mktemp("models") / "agent-calc-sft"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(str(tiny_model), str(out), steps=WARM_STEPS)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+WARM_STEPS = 150
+
+
+def learning(run_dir: Path) -> tuple[float, float]:
+    metrics = rows(run_dir / "metrics.jsonl")
+    first = sum(m["reward_mean"] for m in metrics[:10]) / 10
+    last = sum(m["reward_mean"] for m in metrics[-10:]) / 10
+    return first, last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [RECIPE, ASYNC], ids=["sync", "async"])
+def test_agent_calc_learns(tmp_path: Path, calc_model: Path, recipe: str) -> None:
+    r = run(tmp_path, f"*.model={calc_model}", f"run_dir={tmp_path / 'run'}", recipe=recipe, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, last = learning(tmp_path / "run")
+    assert last >= first + 0.15, (
+        f"accuracy did not improve enough: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    )
+
+
+def test_env_killed_mid_run_loses_and_repeats_nothing(tmp_path: Path, calc_model: Path) -> None:
+    """The environment service SIGKILLed three times at seeded random moments restarts alone each time;
+    the trajectories it was stepping come back with their turn rows and are stepped again, so every
+    trajectory ends as exactly one sample and is trained on exactly once."""
+    steps = 8
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path, f"*.model={calc_model}", f"total_steps={steps}", "env.restart.mode=on-failure",
+                 "env.restart.max_restarts=3", "env.restart.backoff_s=0.2", f"run_dir={run_dir}",
+                 recipe=RECIPE)  # fmt: skip
+    kill_repeatedly(proc, run_dir, "env", random.Random(3), range(1, steps - 1), 3, within_s=0.4)
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    restarts = rows(run_dir / "restarts.jsonl")
+    assert [(r["group"], r["in_place"]) for r in restarts] == [("env", True)] * 3, restarts
+    assert (run_dir / "logs" / "trainer-0-1.log").read_text().count("==== start") == 1
+    tally = account(run_dir / "ledger.jsonl")
+    produced = steps * BATCH
+    assert (tally.produced, tally.consumed, tally.pending, tally.duplicated) == (produced, produced, 0, 0), (
+        tally
+    )
+    # trajectories did span turns: completions hold the tool's replies
+    assert any("<|user|>" in r["completion"] for r in rows(run_dir / "samples.jsonl"))
