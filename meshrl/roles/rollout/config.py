@@ -35,7 +35,11 @@ from meshrl.planning.config import Columns, ServiceConfig
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
 
-BUILTIN_TASKS = {"arith": "meshrl.tasks.arith", "agent_calc": "meshrl.tasks.agent_calc"}
+BUILTIN_TASKS = {
+    "arith": "meshrl.tasks.arith",
+    "agent_calc": "meshrl.tasks.agent_calc",
+    "guess": "meshrl.tasks.guess",
+}
 
 
 @dataclass(frozen=True, kw_only=True)

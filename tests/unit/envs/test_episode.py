@@ -142,3 +142,26 @@ def test_malformed_call_is_a_tool_message_not_a_failure(tok: Any) -> None:
     assert out.failed is None and out.reward == 0.5
     text = tok.decode(out.trajectory.ids)
     assert "<|user|>error: unbalanced parentheses<|assistant|>" in text
+
+
+def test_guess_game_lasts_as_many_turns_as_it_takes(tok: Any) -> None:
+    from meshrl.tasks.guess import GuessEnv
+
+    async def game(guesses: list[str]) -> Any:
+        renderer, parser, limits = Renderer(tok), PlainParser([]), Limits(max_turns=8, max_new_tokens=4)
+        env = GuessEnv()
+        out = await start(env, renderer, {"prompt": "guess", "secret": 30}, limits)
+        for k, g in enumerate(guesses):
+            response = [*ids(tok, g), tok.eos_token_id]
+            out = await advance(env, renderer, parser, out, response, [0.0] * len(response), k, limits)
+            if out.done:
+                break
+        return out
+
+    short, long = asyncio.run(game(["30"])), asyncio.run(game(["10", "40", "x", "30"]))
+    assert (short.trajectory.turns, long.trajectory.turns) == (1, 4)
+    assert short.rewards["found"] == long.rewards["found"] == 1.0 and short.reward > long.reward
+    text = tok.decode(long.trajectory.ids)
+    assert (
+        "<|user|>higher<|assistant|>40<eos><|user|>lower<|assistant|>x<eos><|user|>a number, please" in text
+    )

@@ -1,0 +1,124 @@
+"""Multi-turn agents: trajectories that pause at a tool, against a global loop with a barrier per turn.
+
+    python benchmarks/agent_sim.py --json
+
+Runs recipes/agent_sim.py (real services and data plane; generation, tools and training replaced by
+sleeps): 4 inference replicas (batches of up to 8, 1 ms per decoding step, lognormal turn lengths with
+median 30 tokens), trajectories of 2-8 turns whose tool calls take lognormal times (median 50 ms, 99th
+percentile ~2 s), stepped by the environment service with no loop waiting for the slowest. Then, in
+this process, the same work as a single global loop does it (the barrier baseline): a batch of 128
+trajectories, each round generating every active trajectory's turn on the same 4 simulated engines
+(threads) and waiting for the slowest tool before the next round.
+
+- trajectories_per_s, turns_per_s: the mesh, from its first trajectory start to its last finish;
+- generation_busy: the share of that time inference replicas spend generating (target >= 0.9);
+- barrier_trajectories_per_s, speedup_vs_barrier (target >= 3);
+- overhead_fraction: the share of a trajectory's life spent neither generating nor in the environment
+  (waiting in queues for a generation batch, data-plane transfers, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "agent_sim.py"
+REPLICAS, BATCH, GROUP = 4, 8, 128
+
+ENV_LINE = re.compile(
+    r"(\d+) trajectories, (\d+) turns, ([\d.]+) s from the first start to the last finish; trajectories' "
+    r"time: ([\d.]+) s alive, ([\d.]+) s generating, ([\d.]+) s in the environment"
+)
+GEN_LINE = re.compile(r"([\d.]+) s busy over ([\d.]+) s from the first batch")
+
+
+def mesh(model: Path, work: Path, steps: int) -> dict[str, float]:
+    run_dir = work / "mesh"
+    cmd = [sys.executable, "-m", "meshrl.cli", "run", str(RECIPE), f"*.model={model}", f"run_dir={run_dir}",
+           f"total_steps={steps}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
+    if proc.returncode != 0:
+        raise SystemExit(f"the mesh run failed:\n{proc.stderr[-4000:]}")
+    logs = run_dir / "logs"
+    (env,) = [m for p in logs.glob("env-*.log") if (m := ENV_LINE.search(p.read_text()))]
+    n, turns, span, life, gen, in_env = (float(x) for x in env.groups())
+    busy = [m for p in logs.glob("inference-*.log") if (m := GEN_LINE.search(p.read_text()))]
+    return {
+        "trajectories": n,
+        "trajectories_per_s": n / span,
+        "turns_per_s": turns / span,
+        "generation_busy": sum(float(m.group(1)) for m in busy) / (REPLICAS * span),
+        "overhead_fraction": (life - gen - in_env) / life,
+    }
+
+
+def barrier(trajectories: int, seed: int = 0) -> float:
+    """Trajectories per second of a global loop: every round waits for the batch's slowest tool."""
+    from meshrl.engines.base import SamplingParams
+    from meshrl.engines.sim import SimInferenceEngine
+    from meshrl.envs.sim import MAX_TURNS, MIN_TURNS, tool_latency
+    from meshrl.roles.inference.config import SimGeneration
+
+    rng = random.Random(seed)
+    engines = [
+        SimInferenceEngine(SimGeneration(token_s=0.001, median_tokens=30, sigma=1.0), seed=k)
+        for k in range(REPLICAS)
+    ]
+    params = SamplingParams(max_new_tokens=300)
+
+    def generate(k: int, rows: int) -> None:  # one replica's share of the round, in batches
+        for start in range(0, rows, BATCH):
+            engines[k].generate([[0]] * min(BATCH, rows - start), params)
+
+    async def tools(n: int) -> None:
+        await asyncio.gather(*(asyncio.sleep(tool_latency(rng)) for _ in range(n)))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(REPLICAS) as pool:
+        for _ in range(trajectories // GROUP):
+            left = [rng.randint(MIN_TURNS, MAX_TURNS) for _ in range(GROUP)]
+            while left:
+                share = [len(left) // REPLICAS + (k < len(left) % REPLICAS) for k in range(REPLICAS)]
+                list(pool.map(generate, range(REPLICAS), share))
+                left = [t - 1 for t in left if t > 1]
+                asyncio.run(tools(len(left)))  # the tools of the turns that go on; the slowest holds all
+    return trajectories / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", type=int, default=6, help="training steps of 128 trajectories (mesh run)")
+    ap.add_argument("--barrier-batches", type=int, default=3, help="batches of 128 for the barrier baseline")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshrl-agent-sim-") as tmp:
+        from meshrl.models.tiny import build_tiny_model
+
+        work = Path(tmp)
+        model = build_tiny_model(work / "model")  # only its tokenizer and chat template are used
+        m = mesh(model, work, args.steps)
+    base = barrier(args.barrier_batches * GROUP)
+    result = {
+        "trajectories_per_s": round(m["trajectories_per_s"], 2),
+        "turns_per_s": round(m["turns_per_s"], 1),
+        "generation_busy": round(m["generation_busy"], 3),
+        "barrier_trajectories_per_s": round(base, 2),
+        "speedup_vs_barrier": round(m["trajectories_per_s"] / base, 2),
+        "overhead_fraction": round(m["overhead_fraction"], 3),
+        "trajectories": int(m["trajectories"]),
+    }
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
