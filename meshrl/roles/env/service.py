@@ -214,7 +214,7 @@ class EnvService(Service):
             self.times["life_s"] += now - float(meta["t0"])
             self.times["gen_s"] += traj.gen_s
             self.times["env_s"] += float(meta.get("env_s") or 0.0)
-            self.span[1] = max(self.span[1], now) if self.span else now
+            self.span = [self.span[0] if self.span else float(meta["t0"]), now]
         await client.put(SAMPLES, columns, meta=[row], timeout=3600, key=f"traj/{meta['traj']}")
 
     def close(self) -> None:

@@ -37,9 +37,16 @@ def demonstration(tokenizer: Any, renderer: Renderer, row: dict[str, Any]) -> tu
 
 
 def train(
-    model_path: str, out: str, steps: int = 300, batch: int = 32, lr: float = 3e-3, seed: int = 0
+    model_path: str,
+    out: str,
+    steps: int = 300,
+    batch: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    save_at: tuple[int, ...] = (),
 ) -> float:
-    """Fine-tune on demonstrations; save to `out`; returns the last step's loss."""
+    """Fine-tune on demonstrations; save to `out` (and after each step in `save_at`, to `out`-<step>);
+    returns the last step's loss."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -53,7 +60,7 @@ def train(
         opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / steps)
     )
     loss = torch.tensor(0.0)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         examples = [demonstration(tokenizer, renderer, rng.choice(rows)) for _ in range(batch)]
         width = max(len(ids) for ids, _ in examples)
         ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in examples])
@@ -67,10 +74,18 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if step % 25 == 0:
+            print(f"step {step}/{steps}: loss {loss.item():.4f}", flush=True)
+        if step in save_at:
+            _save(model, tokenizer, f"{out}-{step}")
+    _save(model, tokenizer, out)
+    return float(loss)
+
+
+def _save(model: Any, tokenizer: Any, out: str) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return float(loss)
 
 
 def main(argv: list[str]) -> int:
@@ -79,8 +94,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-at", type=int, nargs="*", default=[], help="also save after these steps")
     args = ap.parse_args(argv)
-    print(f"final loss {train(args.model, args.out, args.steps, seed=args.seed):.4f}")
+    loss = train(args.model, args.out, args.steps, seed=args.seed, save_at=tuple(args.save_at))
+    print(f"final loss {loss:.4f}")
     return 0
 
 
