@@ -29,6 +29,7 @@ class Renderer:
         template = str(getattr(tokenizer, "chat_template", "") or "")
         self.schemas = [t.schema for t in tools] if tools and "tools" in template else None
         self.tool_role = tool_role
+        self._replies: dict[tuple[tuple[tuple[str, str], ...], ...], list[int]] = {}
         self.stop = tokenizer.eos_token_id
         prefix = self._ids(_PREFIX, generation=False)
         self.prefix = prefix
@@ -64,8 +65,13 @@ class Renderer:
     def reply(self, messages: list[Message], *, after_stop: bool) -> list[int]:
         """The ids of the environment's reply, to append after the model's turn, ending with the next
         generation prompt. `after_stop`: the model's turn ended with its stop token."""
-        ids = self._ids([*_PREFIX, *messages], generation=True)[len(self.prefix) :]
-        return [*self.tail, *ids] if after_stop else ids
+        key = tuple(tuple(sorted((k, str(v)) for k, v in self._role(m).items())) for m in messages)
+        ids = self._replies.get(key)
+        if ids is None:  # the template is rendered once per distinct reply (feedback repeats a lot)
+            ids = self._ids([*_PREFIX, *messages], generation=True)[len(self.prefix) :]
+            if len(self._replies) < 65536:
+                self._replies[key] = ids
+        return [*self.tail, *ids] if after_stop else list(ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The model's turn as text, without its stop token (special tokens kept: tool-call tags may be

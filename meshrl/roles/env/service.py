@@ -97,19 +97,23 @@ class EnvService(Service):
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
         self.slots = asyncio.Semaphore(self.config.concurrency)
         self.steps: set[asyncio.Task[None]] = set()
+        self.acks: dict[int, tuple[Batch, list[int]]] = {}  # by id(claim)
+        self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         jobs = [
             asyncio.create_task(self.pump(client, TASKS, (PROMPT,), self.begin)),
             asyncio.create_task(self.pump(client, TURNS, TURN_READS, self.turn)),
         ]
         run_over = asyncio.create_task(self.watch_run(client))
         try:
-            done, _ = await asyncio.wait([*jobs, run_over], return_when="FIRST_COMPLETED")
+            done, _ = await asyncio.wait([*jobs, run_over, self.failed], return_when="FIRST_COMPLETED")
             for t in done:
                 t.result()  # a failure of ours, or of the run elsewhere
         finally:
             for t in [*jobs, run_over, *self.steps]:
                 t.cancel()
             await asyncio.gather(*jobs, run_over, *self.steps, return_exceptions=True)
+            if self.failed.done() and not self.failed.cancelled():
+                self.failed.exception()  # retrieved (re-raised above when it was the first to end)
             with contextlib.suppress(Exception):
                 await client.close()
 
@@ -132,23 +136,41 @@ class EnvService(Service):
             for _ in range(n - len(batch)):
                 self.slots.release()
             for i in range(len(batch)):
-                task = asyncio.create_task(self.guarded(client, batch, i, handle))
-                self.steps.add(task)
-                task.add_done_callback(self.steps.discard)
+                self.track(asyncio.create_task(self.guarded(client, batch, i, handle)))
 
     async def guarded(self, client: AsyncClient, batch: Batch, i: int, handle: Any) -> None:
-        """Handle row `i`, then acknowledge it; a data-plane failure stops the service (its rows return)."""
+        """Handle row `i`, then acknowledge it (only after its write: a kill in between replays the row).
+        Anything failing here (the data plane, a bug) stops the service; its rows return to the pool."""
         try:
             await handle(client, batch, i)
-            await client.ack(batch, batch.ids[i : i + 1])
+            if not self.acks:  # the first of this turn of the event loop: flush after it
+                self.track(asyncio.create_task(self.flush_acks(client)))
+            self.acks.setdefault(id(batch), (batch, []))[1].append(int(batch.ids[i]))
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             self.log.exception("row %d of %s failed", int(batch.ids[i]), batch.partition)
-            raise SystemExit(1) from e  # the service dies; a successor replays the row
+            if not self.failed.done():
+                self.failed.set_exception(e)
         finally:
             self.slots.release()
             self.ctx.health.info.update(self.counts, active=len(self.steps))
+
+    async def flush_acks(self, client: AsyncClient) -> None:
+        """One acknowledgement per claim for the rows finished in the same turn of the event loop."""
+        await asyncio.sleep(0)
+        acks, self.acks = self.acks, {}
+        try:
+            for batch, ids in acks.values():
+                await client.ack(batch, ids)
+        except BaseException as e:
+            if not self.failed.done() and not isinstance(e, asyncio.CancelledError):
+                self.failed.set_exception(e)
+            raise
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        self.steps.add(task)
+        task.add_done_callback(self.steps.discard)
 
     # ---------------------------------------------------------------------------------------------------
 

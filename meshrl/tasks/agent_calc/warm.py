@@ -1,8 +1,12 @@
 """A short supervised warm start for tool arithmetic: teach the tiny model the call format and to copy
 the tool's result, on demonstration trajectories rendered exactly as the environment renders them.
 
-The loss covers the model's tokens only (the same mask RL trains with). A few hundred steps leave the
-model calling the tool and often, not always, copying the result right: room for RL to improve.
+The loss covers the model's tokens only (the same mask RL trains with). Only `tool_fraction` of the
+demonstrations use the tool; the others answer at once (the right sum, which the tiny model cannot
+compute in its head). The warmed model then uses the tool about that often and is right about as
+often: RL has to raise correct tool use. Measured on the tiny model: the copy of the tool's result is
+learned between 150 and 300 steps (at 150, ~1% right; at 300 with every demonstration using the
+tool, ~86% right at temperature 1).
 
     python -m meshrl.tasks.agent_calc.warm --model runs/arith-base --out runs/agent-calc-sft --steps 300
 """
@@ -21,13 +25,17 @@ from meshrl.envs import Renderer
 from meshrl.tasks.agent_calc import CalcEnv, all_problems
 
 
-def demonstration(tokenizer: Any, renderer: Renderer, row: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(ids, loss mask) of the ideal trajectory for `row`: call, result, answer."""
+def demonstration(
+    tokenizer: Any, renderer: Renderer, row: dict[str, Any], *, tool: bool = True
+) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a demonstration for `row`: call, result, answer (or, without the tool, the
+    answer at once)."""
     stop = tokenizer.eos_token_id
     expr = row["prompt"].rstrip("=")
     ids = renderer.first([{"role": "user", "content": row["prompt"]}])
     mask = [0] * len(ids)
-    for turn, reply in ((f"calc({expr})", row["answer"]), (row["answer"], None)):
+    turns = [(f"calc({expr})", row["answer"]), (row["answer"], None)] if tool else [(row["answer"], None)]
+    for turn, reply in turns:
         model = [*tokenizer(turn)["input_ids"], stop]
         ids, mask = ids + model, mask + [1] * len(model)
         if reply is not None:
@@ -44,6 +52,7 @@ def train(
     lr: float = 3e-3,
     seed: int = 0,
     save_at: tuple[int, ...] = (),
+    tool_fraction: float = 0.5,
 ) -> float:
     """Fine-tune on demonstrations; save to `out` (and after each step in `save_at`, to `out`-<step>);
     returns the last step's loss."""
@@ -61,7 +70,10 @@ def train(
     )
     loss = torch.tensor(0.0)
     for step in range(1, steps + 1):
-        examples = [demonstration(tokenizer, renderer, rng.choice(rows)) for _ in range(batch)]
+        examples = [
+            demonstration(tokenizer, renderer, rng.choice(rows), tool=rng.random() < tool_fraction)
+            for _ in range(batch)
+        ]
         width = max(len(ids) for ids, _ in examples)
         ids = torch.tensor([i + [0] * (width - len(i)) for i, _ in examples])
         mask = torch.tensor([m + [0] * (width - len(m)) for _, m in examples], dtype=torch.bool)
@@ -94,9 +106,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tool-fraction", type=float, default=0.5, help="demonstrations that use the tool")
     ap.add_argument("--save-at", type=int, nargs="*", default=[], help="also save after these steps")
     args = ap.parse_args(argv)
-    loss = train(args.model, args.out, args.steps, seed=args.seed, save_at=tuple(args.save_at))
+    loss = train(
+        args.model,
+        args.out,
+        args.steps,
+        seed=args.seed,
+        save_at=tuple(args.save_at),
+        tool_fraction=args.tool_fraction,
+    )
     print(f"final loss {loss:.4f}")
     return 0
 
