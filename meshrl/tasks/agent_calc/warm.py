@@ -91,7 +91,7 @@ def train(
         if step in save_at:
             _save(model, tokenizer, f"{out}-{step}")
     _save(model, tokenizer, out)
-    return float(loss)
+    return loss.item()
 
 
 def _save(model: Any, tokenizer: Any, out: str) -> None:
