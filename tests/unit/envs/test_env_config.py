@@ -1,0 +1,54 @@
+"""The environment service's recipe checks: each problem named by its field, before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from meshrl.planning.config import RecipeError
+from meshrl.planning.recipe import load_recipe
+from meshrl.planning.topology import Device, devices_needed, plan
+from meshrl.roles.env.config import EnvConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def planned(tiny_model: Path, *overrides: str) -> None:
+    r = load_recipe(REPO / "recipes" / "agent_calc.py", [f"*.model={tiny_model}", *overrides])
+    plan(r, [Device(i, "localhost", i) for i in range(devices_needed(r))])
+
+
+def test_bad_fields_are_listed_at_once() -> None:
+    with pytest.raises(RecipeError) as e:
+        EnvConfig(model="m", environment="no_colon", max_turns=0, concurrency=0, step_timeout_s=1000.0)
+    assert e.value.problems == [
+        "environment: 'no_colon' must look like 'package.module:Class'",
+        "max_turns: must be >= 1",
+        "concurrency: must be >= 1",
+        "step_timeout_s: must be > 0 and below lease_s",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("env.environment=meshrl.tasks.agent_calc:calc", "is not a subclass of meshrl.envs.Environment"),
+        ("env.environment=meshrl.nope:Env", "environment: cannot import 'meshrl.nope'"),
+        ("env.max_tokens=16", "max_tokens: 16 leaves no room for one turn of 16"),
+        ("env.inference=trainer", "inference: 'trainer' is not an inference group"),
+    ],
+)
+def test_recipe_problems_name_the_field(tiny_model: Path, override: str, message: str) -> None:
+    with pytest.raises(RecipeError, match=message):
+        planned(tiny_model, override)
+
+
+def test_env_reward_without_an_environment_says_what_to_add(tiny_model: Path) -> None:
+    r = load_recipe(REPO / "recipes" / "agent_calc.py", [f"*.model={tiny_model}"])
+    r = dataclasses.replace(r, groups=tuple(g for g in r.groups if g.id != "env"))
+    with pytest.raises(
+        RecipeError, match=r"reads samples.env_reward, which no service writes: add an environment"
+    ):
+        plan(r, [Device(i, "localhost", i) for i in range(devices_needed(r))])
