@@ -8,6 +8,11 @@ Four services: rollout feeds trajectory starts and scores whole trajectories (th
 reward, GRPO over each group of 8); the environment service (meshrl/tasks/agent_calc: CalcEnv) resets,
 parses `calc(...)` calls, runs the tool and writes each next turn; inference generates turns; the
 trainer trains on the model's tokens only (the loss mask). See README, "Writing an environment".
+
+Measured on 2 CPU cores (warm start of 300 steps with 70% tool demonstrations): the reward climbs from
+0.69 at step 0 to ~0.92, first 10 steps 0.76 and last 10 0.92, in about 45 s; at lr 3e-4 it reaches
+that in 4 steps. What RL raises is tool use: the warm model copies the tool's result correctly, but
+answers in its head (wrongly) on part of the problems.
 """
 
 from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -22,7 +27,7 @@ MODEL = "runs/agent-calc-sft"  # python -m meshrl.tasks.agent_calc.warm; overrid
 def recipe() -> Recipe:
     return Recipe(
         name="agent_calc",
-        total_steps=40,
+        total_steps=60,
         seed=0,
         prompts_per_step=8,
         group_size=8,
@@ -59,7 +64,7 @@ def recipe() -> Recipe:
             ServiceGroup(
                 id="trainer",
                 config=TrainerConfig(
-                    model=MODEL, lr=3e-4, warmup_steps=3, mini_batches=2, micro_batch=32, threads=1
+                    model=MODEL, lr=3e-5, warmup_steps=3, mini_batches=2, micro_batch=32, threads=1
                 ),
                 devices_per_replica=1,
             ),
