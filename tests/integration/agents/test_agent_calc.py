@@ -14,7 +14,7 @@ from tests.integration.grpo.test_grpo import REPO, rows, run
 
 RECIPE = str(REPO / "recipes" / "agent_calc.py")
 ASYNC = str(REPO / "recipes" / "agent_calc_async.py")
-BATCH = 8 * 8  # prompts_per_step x group_size
+BATCH = 16 * 8  # prompts_per_step x group_size
 
 
 def warm(base: Path, out: Path, steps: int, tool_fraction: float) -> Path:
