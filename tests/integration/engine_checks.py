@@ -85,7 +85,7 @@ def check_versions(engine, arith_model, publish, device: str = "cpu", tolerance:
         packed = pack([torch.tensor(p) for p in prompts], [torch.tensor(c.tokens) for c in out], None,
                       torch.zeros(len(out)), torch.ones(len(out), dtype=torch.bool))  # fmt: skip
         with torch.no_grad():
-            lp, _, _ = trainer.forward_logprobs(packed, 1.0)
+            lp, _ = trainer.forward_logprobs(packed, 1.0)
         mine = torch.cat([torch.tensor(c.logprobs) for c in out])
         theirs = lp[packed.mask]
         assert (mine - theirs.cpu()).abs().max() < tolerance, (version, (mine - theirs.cpu()).abs().max())

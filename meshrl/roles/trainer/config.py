@@ -78,6 +78,21 @@ class TrainerConfig(ServiceConfig):
     """Drop samples whose first token was generated more than this many versions ago (counted)."""
     micro_batch: int = 32
     """Rows per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    max_tokens_per_micro_batch: int | None = None
+    """Fill micro-batches by tokens instead (micro_batch is then unused): several samples packed into
+    each row (as wide as the longest sample), each attending only to itself, and as many rows per
+    micro-batch as this many tokens hold. Padding goes, and the memory of a micro-batch is bounded by
+    tokens whatever the lengths. Needs a per-token loss (loss_agg token-mean, policy_loss ppo)."""
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """fp32, or bf16-mixed: float32 parameters, gradients and optimizer state (small updates are not
+    rounded away), forward and backward in bfloat16, weights published to inference in bfloat16."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward pass and recompute the rest: activation
+    memory of one layer instead of all, for about one more forward pass of time."""
+    logits_chunk: int = 1024
+    """Positions whose logits exist at a time when computing the policy's log-probs and entropy from the
+    last hidden state (recomputed in the backward pass); 0: the whole micro-batch's logits at once.
+    Distillation always computes them whole (its top-k KL reads them)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """token-mean, seq-mean-token-mean or seq-mean-token-sum (normalised over the whole step)."""
     policy_loss: Literal["ppo", "gspo"] = "ppo"
@@ -136,6 +151,7 @@ class TrainerConfig(ServiceConfig):
     def validate(self) -> Iterator[str]:
         if self.lr <= 0:
             yield "lr: must be > 0"
+        yield from self._memory_problems()
         if min(self.micro_batch, self.mini_batches, self.epochs) < 1:
             yield "micro_batch, mini_batches, epochs: must be >= 1"
         if self.is_cap <= 0:
@@ -160,6 +176,22 @@ class TrainerConfig(ServiceConfig):
             yield "value_clip: must be > 0 (or None)"
         if self.distills and not (self.teachers and all(w > 0 for w in self.teachers.values())):
             yield f"teachers: {self.teachers!r}: distillation needs at least one teacher, each with a weight > 0"
+
+    def _memory_problems(self) -> Iterator[str]:
+        """Problems of the settings that fit a step in memory (precision, chunks, packing)."""
+        if {"dtype", "torch_dtype"} & set(self.loader_kwargs):
+            yield "loader_kwargs: the trainer's dtype is set by trainer.precision (fp32 or bf16-mixed)"
+        if self.logits_chunk < 0:
+            yield "logits_chunk: must be >= 0 (0: whole logits)"
+        if self.max_tokens_per_micro_batch is None:
+            return
+        if self.max_tokens_per_micro_batch < 1:
+            yield "max_tokens_per_micro_batch: must be >= 1 (or None: micro_batch rows)"
+        if self.loss_agg != "token-mean" or self.policy_loss != "ppo":
+            yield (
+                "max_tokens_per_micro_batch: packing samples into rows needs a per-token loss: "
+                "loss_agg='token-mean' and policy_loss='ppo' (or set it to None)"
+            )
 
     @property
     def distills(self) -> bool:
