@@ -36,6 +36,7 @@ from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
 from meshrl.engines.gather import full_tensors
+from meshrl.engines.lora import ADAPTER, add_adapters, merged_parameters
 from meshrl.engines.objective import PolicyObjective, value_terms
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import TrainBatch, token_micro_batches
@@ -61,6 +62,7 @@ class FSDPEngine:
         precision: str = "fp32",
         activation_checkpointing: bool = False,
         logits_chunk: int = 1024,
+        lora: Any = None,
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
@@ -78,7 +80,8 @@ class FSDPEngine:
         `activation_checkpointing`: each decoder layer keeps only its input for the backward pass and
         recomputes the rest. `logits_chunk`: positions whose logits exist at a time when the policy's
         log-probs are computed (`chunked.head_logprobs`); 0 computes the micro-batch's whole logits, as
-        on-policy distillation always does (its top-k KL reads them)."""
+        on-policy distillation always does (its top-k KL reads them). `lora` (rank, alpha, target_modules,
+        dropout, save_merged; rank 0 or None: full fine-tuning): train LoRA adapters only (`lora.py`)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -87,6 +90,7 @@ class FSDPEngine:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+        self.lora = lora if lora is not None and lora.rank > 0 else None
         torch.manual_seed(seed)
         self.head = head
         self.temperature = temperature
@@ -113,6 +117,10 @@ class FSDPEngine:
         if activation_checkpointing:
             for layer in _decoder_layers(model):
                 _checkpoint(layer)
+        if self.lora is not None:
+            if head != "lm" or self.world > 1:
+                raise ValueError("LoRA trains a policy (head 'lm') on one trainer rank")
+            model = add_adapters(model, self.lora, frozen_dtype=self.compute_dtype)
         if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
             shard = functools.partial(fully_shard, mesh=mesh, **_mixed_precision(self.compute_dtype))
@@ -130,7 +138,7 @@ class FSDPEngine:
         self.model.eval()
         self.optim_cfg = optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters
             lr=optim.lr,
             betas=optim.betas,
             weight_decay=optim.weight_decay,
@@ -380,7 +388,10 @@ class FSDPEngine:
     # weights and checkpoints
 
     def _policy_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters inference generates with (the actor-critic's value head is not one)."""
+        """The parameters inference generates with (the actor-critic's value head is not one; with LoRA,
+        the base's with the adapters merged in)."""
+        if self.lora is not None:
+            return list(merged_parameters(self.model))
         return [(n, p) for n, p in self.model.named_parameters() if not n.startswith("value_head.")]
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
@@ -395,15 +406,30 @@ class FSDPEngine:
 
     def _published(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype inference receives a parameter of `dtype` in: the compute dtype's, under mixed precision."""
-        return self.compute_dtype if dtype.is_floating_point and dtype == torch.float32 else dtype
+        return self.compute_dtype if dtype == torch.float32 else dtype
 
     def save_pretrained(self, path: str, source: str | None = None) -> None:
         """A Hugging Face checkpoint that from_pretrained loads (collective; rank 0 writes), with what it
-        keeps of `source`, the model it was trained from (`checkpoints.carry_over`)."""
+        keeps of `source`, the model it was trained from (`checkpoints.carry_over`). With LoRA: the
+        adapter (PEFT's files, which name `source` as their base), and the merged model in `path`/merged
+        when `lora.save_merged`."""
+        if self.lora is not None:
+            self._save_adapter(path, source)
+            return
         critic = self.head == "value"
         checkpoints.save_pretrained(
             self.model, self.hf_config, path, critic=critic, rank=self.rank, source=source
         )
+
+    def _save_adapter(self, path: str, source: str | None) -> None:
+        assert self.lora is not None
+        self.model.peft_config[ADAPTER].base_model_name_or_path = source
+        self.model.save_pretrained(path)
+        if source is not None:
+            checkpoints.carry_over(source, path)
+        if self.lora.save_merged:
+            state = {n: t.detach().cpu() for n, t in merged_parameters(self.model)}
+            checkpoints.write_pretrained(state, self.hf_config, os.path.join(path, "merged"), source=source)
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and step count, sharded as trained (torch.distributed.checkpoint; collective).

@@ -60,14 +60,17 @@ class WeightLink:
         self.pool.shutdown()
 
 
-def check_versions(engine, arith_model, publish, device: str = "cpu", tolerance: float = 1e-5) -> None:
+def check_versions(
+    engine, arith_model, publish, device: str = "cpu", tolerance: float = 1e-5, **trainer_kw
+) -> None:
+    """`trainer_kw`: the trainer engine's settings (precision, lora)."""
     from meshrl.engines.base import SamplingParams
     from meshrl.engines.fsdp import FSDPEngine
     from meshrl.engines.optim import OptimConfig
     from meshrl.engines.packing import pack
     from meshrl.roles.trainer.config import TrainerConfig
 
-    trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device))
+    trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device), **trainer_kw)
     cfg = TrainerConfig(model=str(arith_model), micro_batch=16)
     g = torch.Generator().manual_seed(0)
     prompts = [[int(t) for t in torch.randint(4, 16, (int(n),), generator=g)] for n in (3, 5, 2, 7, 4, 6)]

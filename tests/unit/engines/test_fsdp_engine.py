@@ -10,7 +10,7 @@ import torch
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import pack, token_micro_batches
-from meshrl.roles.trainer.config import TrainerConfig
+from meshrl.roles.trainer.config import Lora, TrainerConfig
 
 
 def Step(**kw: object) -> TrainerConfig:
@@ -260,3 +260,48 @@ def test_bf16_mixed_keeps_fp32_master_state_and_learns(tiny_model):
     # inference receives the weights the trainer computes with: bfloat16
     assert {d for _, _, d in engine.manifest()} == {"bfloat16"}
     assert all(t.dtype == torch.bfloat16 for t in engine.get_weights())
+
+
+def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    plain = engine_with(tiny_model)
+    engine = engine_with(tiny_model, lora=Lora(rank=4, save_merged=True))
+    assert engine.manifest() == plain.manifest()  # inference sees a plain model
+    trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert sum(len(g["params"]) for g in engine.optimizer.param_groups) == len(trainable)
+    frozen = {n: p.detach().clone() for n, p in engine.model.named_parameters() if not p.requires_grad}
+    before = params(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(plain), strict=True))  # B starts at 0
+    engine.update_policy(varied(), Step())
+    engine.update_policy(varied(), Step())
+    assert all(torch.equal(p, frozen[n]) for n, p in engine.model.named_parameters() if not p.requires_grad)
+    after = params(engine)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # the final save: the adapter, and the merged model, which scores as the trainer does
+    engine.save_pretrained(str(tmp_path / "final"), source=str(tiny_model))
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "merged")
+    for (name, _, _), t in zip(engine.manifest(), after, strict=True):
+        torch.testing.assert_close(merged.get_parameter(name), t)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))  # adapters and their optimizer state only
+    saved = sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir())
+    assert saved < sum(p.numel() * 4 for p in frozen.values()) / 2
+    resumed = engine_with(tiny_model, lora=Lora(rank=4))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.steps == 2 and all(torch.equal(a, b) for a, b in zip(params(resumed), after, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kw", "dtype", "tolerance"),
+    [({"lora": Lora(rank=4)}, "float32", 1e-5), ({"precision": "bf16-mixed"}, "bfloat16", 0.1)],
+)
+def test_inference_scores_as_the_trainer_after_updates(tiny_model, kw, dtype, tolerance):
+    """LoRA: inference gets the merged weights; bf16-mixed: a bf16 inference model gets the bf16
+    weights and agrees with the trainer's autocast forward to about bf16's precision."""
+    from meshrl.engines.hf import HFEngine
+    from tests.integration.engine_checks import check_versions, direct
+
+    engine = HFEngine(str(tiny_model), loader_kwargs={"dtype": getattr(torch, dtype)})
+    check_versions(engine, tiny_model, direct, tolerance=tolerance, **kw)
