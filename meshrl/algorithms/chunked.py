@@ -7,6 +7,8 @@ autograd function that saves only its inputs and one log-normaliser per position
 chunk's logits in the backward pass: the memory of the output projection is bounded by `chunk x vocab`
 whatever the batch, for the cost of that projection's matmul once more. The teacher's top-k
 (`distill.topk_logprobs`) streams the same way, over positions and over the vocabulary, without a graph.
+Both read the last hidden state (`last_hidden`) and hold only for a model whose logits are its output
+projection of that state (`head_is_linear`: no logit scale or soft-cap); others compute whole logits.
 """
 
 from __future__ import annotations
@@ -44,6 +46,25 @@ def head_logprobs(
         )
     scale = 1.0 / temperature if temperature > 0 else 1.0
     return _HeadLogprobs.apply(hidden, weight, bias, targets, scale, chunk)
+
+
+def last_hidden(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden states [n, L, D] (after the last norm), computing the logits of one position only."""
+    return model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+
+
+@torch.no_grad()
+def head_is_linear(model: Any, device: torch.device | str = "cpu") -> bool:
+    """Whether the model's logits are exactly its output projection of `last_hidden` (checked on a short
+    input): then top-k can stream over the vocabulary instead of materialising all logits."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    ids = (torch.arange(1, 9, device=device) % head.weight.shape[0])[None]
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    full = model(**inputs).logits[0].float()
+    mine = head(last_hidden(model, inputs)[0]).float()
+    return bool(torch.allclose(full, mine, atol=1e-4, rtol=1e-4))
 
 
 def _log_softmax(h: Tensor, weight: Tensor, bias: Tensor | None, scale: float) -> Tensor:

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from meshrl.algorithms.chunked import head_logprobs
+from meshrl.algorithms.chunked import head_is_linear, head_logprobs
 from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
 from meshrl.engines.gather import full_tensors
-from meshrl.engines.lora import ADAPTER, add_adapters, merged_parameters
+from meshrl.engines.lora import ADAPTER, add_adapters, merged_parameters, train_dropout
 from meshrl.engines.objective import PolicyObjective, value_terms
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import TrainBatch, token_micro_batches
@@ -114,6 +114,9 @@ class FSDPEngine:
         if head == "lm+value":
             model.value_head = checkpoints.value_head(model, model_path)
         model.to(device)
+        # chunked log-probs need logits that are the output projection of the last hidden state
+        self._chunked = logits_chunk > 0 and head != "value" and self._logits_to_keep
+        self._chunked = self._chunked and head_is_linear(model, device)
         if activation_checkpointing:
             for layer in _decoder_layers(model):
                 _checkpoint(layer)
@@ -136,6 +139,8 @@ class FSDPEngine:
         # No dropout in RL (HF's classification heads default to 0.1): recomputed logprobs must match
         # inference's, and a critic's values must not depend on the random state. Gradients still flow.
         self.model.eval()
+        if self.lora is not None:
+            train_dropout(self.model)
         self.optim_cfg = optim
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters
@@ -185,11 +190,11 @@ class FSDPEngine:
         self, mb: TrainBatch, temperature: float, *, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """forward_logprobs, plus the logits [n, L-1, V] when they were computed whole (distillation,
-        logits_chunk 0, a model without `logits_to_keep`; else None) and the values [n, L-1] of the
+        logits_chunk 0, logits that are not a plain projection of the last hidden state; else None) and the values [n, L-1] of the
         actor-critic's value head (else None), from one forward. `entropy_grad`: whether the loss
         differentiates the entropy (whole logits only: the chunked head costs nothing for an unused one)."""
         ids = mb.input_ids.to(self.device)
-        whole = bool(mb.teachers) or self.logits_chunk == 0 or not self._logits_to_keep
+        whole = bool(mb.teachers) or not self._chunked
         few = {} if whole else {"logits_to_keep": 1}  # the last hidden state is all the chunks need
         with self._autocast():
             out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
