@@ -31,8 +31,12 @@ def add_adapters(model: Any, lora: Any, frozen_dtype: torch.dtype) -> Any:
     return peft_model
 
 
-def is_adapted(model: Any) -> bool:
-    return hasattr(model, "peft_config")
+def train_dropout(model: Any) -> None:
+    """The adapters' dropout on (the engine runs the model in eval mode: no other dropout in RL). With
+    lora.dropout > 0 the trainer's log-probs are then noisy copies of those inference sampled with."""
+    for name, module in model.named_modules():
+        if ".lora_dropout." in f"{name}.":
+            module.train()
 
 
 @torch.no_grad()
