@@ -51,7 +51,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": dict(precision="fp32", activation_checkpointing=False, logits_chunk=0),
     "fp32_all": dict(precision="fp32", **ALL),
     "bf16_all": dict(precision="bf16-mixed", **ALL),
-    "lora": dict(precision="bf16-mixed", **ALL, lora={"rank": 16, "alpha": 32}),
+    "lora": dict(precision="bf16-mixed", **ALL, lora=dict(rank=16, alpha=32.0)),
 }
 
 
@@ -88,9 +88,11 @@ def child(args: argparse.Namespace) -> None:
 
     from meshrl.engines.fsdp import FSDPEngine
     from meshrl.engines.optim import OptimConfig
-    from meshrl.roles.trainer.config import TrainerConfig
+    from meshrl.roles.trainer.config import Lora, TrainerConfig
 
-    settings = CONFIGS[args.child]
+    settings = dict(CONFIGS[args.child])
+    if "lora" in settings:
+        settings["lora"] = Lora(**settings["lora"])
     engine_keys = ("precision", "activation_checkpointing", "logits_chunk", "lora")
     engine_kw = {k: v for k, v in settings.items() if k in engine_keys}
     cfg = TrainerConfig(
