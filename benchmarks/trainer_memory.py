@@ -16,7 +16,9 @@ that reports its own RSS high-water mark (the model load included) and the updat
 
 Per shape: peak_mb_baseline, peak_mb_all (bf16_all), memory_ratio (target <= 0.4), step_s_baseline,
 step_s_fp32_all, time_ratio = step_s_fp32_all / step_s_baseline (target <= 1.3), step_s_bf16_all
-(bf16 matmuls on a CPU without native bf16 support say little about a GPU), lora_peak_mb.
+(bf16 matmuls on a CPU without native bf16 support say little about a GPU), lora_peak_mb; and
+peak_mb_fp32_all, cpu_s_baseline, cpu_s_fp32_all (the update's CPU seconds: on a machine shared with
+other work, wall times of runs minutes apart are not comparable, CPU seconds less unfairly so).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def batch(rows: int, vocab: int, prompt: int, low: int, high: int) -> Any:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One configuration, one update, in this process: prints {"peak_mb", "step_s"}."""
+    """One configuration, one update, in this process: prints {"peak_mb", "step_s", "cpu_s"}."""
     import torch
 
     from meshrl.engines.fsdp import FSDPEngine
@@ -101,11 +103,16 @@ def child(args: argparse.Namespace) -> None:
     )  # fmt: skip
     engine = FSDPEngine(args.model, OptimConfig(lr=1e-6), device=torch.device("cpu"), **engine_kw)
     b = batch(args.rows, SHAPES[args.shape]["vocab_size"], args.prompt, args.min_response, args.max_response)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_s()
     engine.update_policy(b, cfg)
-    step_s = time.perf_counter() - t0
+    step_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(json.dumps({"peak_mb": round(peak_mb, 1), "step_s": round(step_s, 2)}))
+    print(json.dumps({"peak_mb": round(peak_mb, 1), "step_s": round(step_s, 2), "cpu_s": round(cpu_s, 2)}))
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measure(args: argparse.Namespace, shape: str, model: Path, config: str) -> dict[str, float] | None:
@@ -164,6 +171,8 @@ def summary(runs: dict[str, dict[str, float] | None], rows: int) -> dict[str, An
         "time_ratio": round(fp32_s / base_s, 3) if base_s and fp32_s else None,
         "step_s_bf16_all": get("bf16_all", "step_s"),
         "peak_mb_fp32_all": get("fp32_all", "peak_mb"),
+        "cpu_s_baseline": get("baseline", "cpu_s"),
+        "cpu_s_fp32_all": get("fp32_all", "cpu_s"),
         "lora_peak_mb": get("lora", "peak_mb"),
     }
 

@@ -189,10 +189,11 @@ class FSDPEngine:
     def _policy_forward(
         self, mb: TrainBatch, temperature: float, *, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """forward_logprobs, plus the logits [n, L-1, V] when they were computed whole (distillation,
-        logits_chunk 0, logits that are not a plain projection of the last hidden state; else None) and the values [n, L-1] of the
-        actor-critic's value head (else None), from one forward. `entropy_grad`: whether the loss
-        differentiates the entropy (whole logits only: the chunked head costs nothing for an unused one)."""
+        """forward_logprobs, plus the logits [n, L-1, V] when they were computed whole (else None:
+        computed whole for distillation, with logits_chunk 0, and for logits that are not a plain
+        projection of the last hidden state) and the values [n, L-1] of the actor-critic's value head
+        (else None), from one forward. `entropy_grad`: whether the loss differentiates the entropy
+        (whole logits only: the chunked head costs nothing for an unused one)."""
         ids = mb.input_ids.to(self.device)
         whole = bool(mb.teachers) or not self._chunked
         few = {} if whole else {"logits_to_keep": 1}  # the last hidden state is all the chunks need

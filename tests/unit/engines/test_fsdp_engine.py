@@ -307,3 +307,17 @@ def test_inference_scores_as_the_trainer_after_updates(tiny_model, kw, dtype, to
 
     engine = HFEngine(str(tiny_model), loader_kwargs={"dtype": getattr(torch, dtype)})
     check_versions(engine, tiny_model, direct, tolerance=tolerance, **kw)
+
+
+def test_packing_precision_and_lora_settings_are_checked_at_load_time():
+    from meshrl.planning.config import RecipeError
+
+    Step(max_tokens_per_micro_batch=64, precision="bf16-mixed", lora=Lora(rank=8))
+    for field, bad in (
+        ("max_tokens_per_micro_batch", dict(loss_agg="seq-mean-token-mean")),  # per-row terms need rows
+        ("max_tokens_per_micro_batch", dict(policy_loss="gspo")),
+        ("loader_kwargs", dict(loader_kwargs={"dtype": "bfloat16"}, max_tokens_per_micro_batch=None)),
+        ("lora", dict(lora=Lora(rank=8), value_head=True, max_tokens_per_micro_batch=None)),
+    ):
+        with pytest.raises(RecipeError, match=field):
+            Step(**{"max_tokens_per_micro_batch": 64, **bad})
