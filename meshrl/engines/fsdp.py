@@ -76,7 +76,7 @@ class FSDPEngine:
         state and computes forward and backward in bfloat16 (autocast; under FSDP the all-gathers are
         bf16 too, FSDP2's MixedPrecisionPolicy, and gradients are reduced in float32), and publishes the
         weights in bfloat16: inference receives exactly what the trainer computes with. The model is
-        loaded in float32 whatever its checkpoint's dtype: an update in bf16 rounds small steps away.
+        loaded in float32 whatever its checkpoint's dtype (`_load`).
         `activation_checkpointing`: each decoder layer keeps only its input for the backward pass and
         recomputes the rest. `logits_chunk`: positions whose logits exist at a time when the policy's
         log-probs are computed (`chunked.head_logprobs`); 0 computes the micro-batch's whole logits, as
@@ -84,7 +84,6 @@ class FSDPEngine:
         dropout, save_merged; rank 0 or None: full fine-tuning): train LoRA adapters only (`lora.py`)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
@@ -101,13 +100,7 @@ class FSDPEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not os.path.exists(model_path):
             raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
-        model: Any
-        kwargs = {"dtype": torch.float32, **(loader_kwargs or {})}  # master weights (a critic may differ)
-        if head == "value":
-            model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-        model.config.use_cache = False
+        model = _load(model_path, head, loader_kwargs)
         self.hf_config = model.config
         # values need the last hidden state, not the logits: most HF models can skip all but one
         self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
@@ -467,6 +460,20 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     return []
+
+
+def _load(model_path: str, head: str, loader_kwargs: dict[str, Any] | None) -> Any:
+    """The HF model of `head`, in float32 whatever its checkpoint's dtype (the master weights: updates
+    in bf16 round small steps away; a critic's loader_kwargs may still choose), without a KV cache."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    kwargs = {"dtype": torch.float32, **(loader_kwargs or {})}
+    if head == "value":
+        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    model.config.use_cache = False
+    return model
 
 
 def _micro_batches(batch: TrainBatch, cfg: Any) -> list[TrainBatch]:
