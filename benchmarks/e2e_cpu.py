@@ -6,6 +6,8 @@
     python benchmarks/e2e_cpu.py --recipe opd_arith --json  # + a teacher (on-policy distillation)
     python benchmarks/e2e_cpu.py --engine vllm --json      # vLLM generating (needs the vllm extra), and
                                                            # the HF engine on the same recipe as baseline
+    python benchmarks/e2e_cpu.py --sinks --json            # every tracker on (TensorBoard, W&B offline,
+                                                           # MLflow), and the run with none as baseline
 
 Builds the tiny model and its supervised warm start (as `make run` does; for a recipe with a teacher,
 also the teacher: a longer supervised run of `--teacher-sft-steps`), runs the recipe as separate
@@ -114,6 +116,9 @@ def run(
     if args.prompts:
         overrides.append(f"prompts_per_step={args.prompts}")
     overrides += args.set
+    if args.sinks:
+        overrides += ["log.tensorboard=true", "log.wandb.project=e2e-cpu", "log.wandb.mode=offline",
+                      "log.mlflow.experiment=e2e-cpu"]  # fmt: skip
     cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / "recipes" / f"{args.recipe}.py"), *overrides]
     t0 = time.time()
     proc = subprocess.Popen(
@@ -205,6 +210,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--teacher-sft-steps", type=int, default=200, help="for recipes with a teacher")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
+    ap.add_argument("--sinks", action="store_true", help="every experiment tracker on; baseline: none")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshrl-e2e-") as tmp:
         root = Path(tmp)
@@ -221,6 +227,15 @@ def main() -> None:
             result["baseline_hf"] = {k: base[k] for k in ("samples_per_s", "median_step_s", "startup_s",
                                                           "reward_first10", "reward_last10", "peak_rss_mb")}  # fmt: skip
             result["ratio_vs_hf"] = round(float(result["samples_per_s"]) / float(base["samples_per_s"]), 3)  # type: ignore[arg-type]
+        if args.sinks:  # the same run without trackers, in this same invocation
+            base = run(
+                argparse.Namespace(**{**vars(args), "sinks": False}), model, root / "work" / "plain", teacher
+            )
+            result["baseline_no_sinks"] = {k: base[k] for k in ("samples_per_s", "median_step_s", "overhead_fraction",
+                                                                "peak_rss_mb")}  # fmt: skip
+            result["sinks_overhead_delta"] = round(
+                float(result["overhead_fraction"]) - float(base["overhead_fraction"]), 4
+            )  # type: ignore[arg-type]
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 
