@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from meshrl.columns import (
     ADVANTAGE,
@@ -39,27 +39,48 @@ BUILTIN_TASKS = {"arith": "meshrl.tasks.arith"}
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig(ServiceConfig):
     service = "meshrl.roles.rollout.service:RolloutService"
+    moved: ClassVar[dict[str, str]] = {
+        "reward": 'rewards={"module:function": 1.0} (several weighted functions, TRL\'s way)',
+        "reward_weight": 'rewards={"module:function": <weight>}',
+    }
     stateful = True
     rejoins = True  # a restarted replica continues from the state its predecessor wrote ahead of each change
 
     model: str
     """Local path of the policy; rollout uses its tokenizer."""
     dataset: str = "arith"
-    """A built-in task ("arith") or a local .jsonl / .json / .parquet file of prompt rows."""
+    """A built-in task ("arith"), a local .jsonl / .json / .parquet / .csv file, a local dataset
+    directory, or a hub dataset name: anything `datasets.load_dataset` opens (see dataset_config,
+    dataset_split, streaming)."""
+    dataset_config: str | None = None
+    """The dataset's configuration (load_dataset's `name`, e.g. "main" for gsm8k)."""
+    dataset_split: str = "train"
+    """The split trained on (a local file has only "train")."""
     eval_dataset: str | None = None
-    """Held-out rows: a file, or None for the built-in task's eval split (or no evaluation for files)."""
+    """Held-out rows, named as `dataset` is (None: the built-in task's eval split, or no evaluation)."""
+    eval_split: str = "test"
+    """The split of eval_dataset evaluated on (a local file has only "train", used whatever this says)."""
+    streaming: bool = False
+    """Stream a hub dataset instead of downloading it whole; only its first max_rows rows are read."""
+    max_rows: int | None = None
+    """Read at most this many rows of each dataset (None: all)."""
     prompt_field: str = "prompt"
-    """Column of the dataset holding the prompt text."""
+    """Column holding the prompt: a string, or a list of chat messages ({"role", "content"}: TRL's
+    conversational format, always rendered with the chat template)."""
+    system_prompt: str | None = None
+    """A system message put before each prompt (needs the chat template)."""
     chat_template: bool = False
-    """Render prompts with the tokenizer's chat template (as one user message)."""
-    reward: str | None = "meshrl.tasks.arith:reward"
-    """Rule reward `module:function(prompt, completion, row) -> float`; also scores evaluation."""
-    reward_weight: float = 1.0
-    """Weight of the rule reward in the reward trained on (0: the rule only evaluates)."""
+    """Render string prompts with the tokenizer's chat template (as one user message)."""
+    rewards: dict[str, float] = field(default_factory=lambda: {"meshrl.tasks.arith:reward": 1.0})
+    """Reward functions by import path, with their weights: `{"pkg.mod:fn": 1.0, ...}`. Batched
+    `fn(prompts, completions, **columns) -> list[float | None]` (TRL's signature) or per sample
+    `fn(prompt, completion, row) -> float | None`, sync or async (see rewards.py). Built in:
+    meshrl.rewards:math_answer, meshrl.rewards:answer_format. Weight 0: logged and evaluated only."""
     rm_weight: float = 0.0
     """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""
-    max_prompt_len: int = 64
-    """Tokens; longer prompts are skipped and counted."""
+    max_prompt_len: int = 512
+    """Tokens, the chat template and system prompt included; longer prompts are skipped and counted,
+    and the run stops when most are."""
     window: int | None = 1
     """Pacing: 1 = lock-step (sync), k = at most k steps ahead of the trainer, None = never wait."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
@@ -109,12 +130,11 @@ class RolloutConfig(ServiceConfig):
             yield "window: must be >= 1 or None"
         if not 0 <= self.max_failed_fraction <= 1:
             yield "max_failed_fraction: must be in [0, 1]"
-        if self.reward is not None and ":" not in self.reward:
-            yield f"reward: {self.reward!r} must look like 'package.module:function'"
-        if self.reward is None and self.reward_weight != 0:
-            yield "reward_weight: needs a reward function"
-        if not ((self.reward_weight > 0 and self.reward is not None) or self.rm_weight > 0):
-            yield "reward: nothing to train on: set a reward function with reward_weight > 0, or rm_weight > 0"
+        yield from self._reward_problems()
+        if self.streaming and self.max_rows is None:
+            yield "streaming: needs max_rows (how many rows of the stream to read)"
+        if self.max_prompt_len < 1:
+            yield "max_prompt_len: must be >= 1"
         if self.values == "trainer" and self.advantage != "gae":
             yield "values: 'trainer' is for advantage=gae"
         if self.kl_in_reward < 0:
@@ -125,6 +145,20 @@ class RolloutConfig(ServiceConfig):
             yield "max_filtered_fraction: must be in (0, 1]"
         if self.overlong_max_len is not None and not 0 <= self.overlong_buffer <= self.overlong_max_len:
             yield "overlong_buffer: must be between 0 and overlong_max_len"
+
+    def _reward_problems(self) -> Iterator[str]:
+        from meshrl.roles.rollout.rewards import metric_name
+
+        for spec, weight in self.rewards.items():
+            if ":" not in spec:
+                yield f"rewards: {spec!r} must look like 'package.module:function'"
+            if not isinstance(weight, (int, float)) or weight < 0:
+                yield f"rewards: the weight of {spec!r} must be a number >= 0"
+        names = [metric_name(s) for s in self.rewards]
+        for name in sorted({n for n in names if names.count(n) > 1}):
+            yield f"rewards: two functions named {name!r}; their metrics would mix (wrap one under another name)"
+        if not (any(w > 0 for w in self.rewards.values()) or self.rm_weight > 0):
+            yield "rewards: nothing to train on: give a reward function a weight > 0, or set rm_weight > 0"
 
     def score_columns(self) -> tuple[str, ...]:
         """What a row needs before rollout can score it: the completion, and whatever the reward and
@@ -172,13 +206,13 @@ class RolloutConfig(ServiceConfig):
                         f"{name}: rows have no field {self.prompt_field!r} (fields: {sorted(fields)}); "
                         "set prompt_field"
                     )
-        if self.reward is not None:
-            module, _, fn = self.reward.partition(":")
+        for spec in self.rewards:
+            module, _, fn = spec.partition(":")
             try:
                 if not callable(getattr(importlib.import_module(module), fn, None)):
-                    problems.append(f"reward: module {module!r} has no function {fn!r}")
+                    problems.append(f"rewards: module {module!r} has no function {fn!r}")
             except ImportError as e:
-                problems.append(f"reward: cannot import {module!r}: {e}")
+                problems.append(f"rewards: cannot import {module!r}: {e}")
         if self.dynamic_sampling:
             # filtered groups are deleted: no other service may still be writing into them
             mine = set(self.score_columns())
