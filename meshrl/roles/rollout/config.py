@@ -28,6 +28,7 @@ from meshrl.columns import (
     VALUES,
     VERSION,
 )
+from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ class RolloutConfig(ServiceConfig):
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []
         if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
+            problems.append(missing(self.model))
         for name, value in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset)):
             if value is not None and value not in BUILTIN_TASKS and not Path(value).is_file():
                 problems.append(
