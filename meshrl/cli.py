@@ -10,6 +10,7 @@ commands:
   demo                                       the main job: a tiny model learns arithmetic by GRPO
   run RECIPE [--devices N] [key=value ...]   run a recipe on this host (Ctrl-C stops it)
   launch RECIPE [key=value ...]              one launcher of a multi-host run (under torchrun -m meshrl)
+  eval RECIPE [--model PATH] [key=value ...]  held-out accuracy, pass@k, reward per function (JSON)
   sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   queue serve [...]                          run the data plane's controller / storage server
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.tasks.arith.demo import main as demo
 
         raise SystemExit(demo(rest))
+    if cmd == "eval":
+        from meshrl.runtime.evaluate import main as evaluate
+
+        raise SystemExit(evaluate(rest))
     if cmd == "sft":
         from meshrl.tasks.arith.sft import main as sft
 
