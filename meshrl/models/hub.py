@@ -103,14 +103,18 @@ def missing(model: str) -> str:
     )
 
 
+def cache_root() -> Path:
+    """meshrl's own cache: $MESHRL_CACHE, default ~/.cache/meshrl."""
+    return Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
+
+
 def dequantized(folder: Path, gguf_file: str) -> Path:
     """An HF folder holding GGUF file `folder/gguf_file` dequantized to float32 (made once, cached by
     the file's path, size and modification time)."""
     source = (folder / gguf_file).resolve()
     stat = source.stat()
     key = hashlib.sha256(f"{source}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("MESHRL_CACHE", Path.home() / ".cache" / "meshrl"))
-    out = root / "gguf" / f"{source.stem}-{key}"
+    out = cache_root() / "gguf" / f"{source.stem}-{key}"
     if (out / "config.json").is_file():
         return out
     import torch
@@ -118,7 +122,8 @@ def dequantized(folder: Path, gguf_file: str) -> Path:
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    model.hf_quantizer = None  # dequantized already: saved and synced as plain weights
+    model.hf_quantizer = None  # dequantized already: saved, loaded and synced as plain weights
+    model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)

@@ -82,3 +82,15 @@ def test_most_prompts_too_long_stops_naming_the_setting():
     ):
         check_lengths(rows, lambda r: torch.zeros(8), 4)
     check_lengths(rows, lambda r: torch.zeros(4), 4)
+
+
+def test_a_reasoning_gym_task_generates_train_and_other_held_out_rows():
+    cfg = RolloutConfig(
+        model=".", dataset="reasoning_gym:leg_counting", eval_dataset="reasoning_gym:leg_counting",
+        dataset_kwargs={"size": 20, "seed": 3, "min_animals": 1, "max_animals": 2}, eval_size=5,
+    )  # fmt: skip
+    train, held_out = load_rows(cfg)
+    assert len(train) == 20 and len(held_out) == 5
+    assert all(r["answer"].isdigit() and "legs" in r["prompt"] for r in train + held_out)
+    assert {r["prompt"] for r in held_out} != {r["prompt"] for r in train[:5]}
+    assert load_rows(cfg)[0] == train  # the same seed, the same rows

@@ -3,6 +3,7 @@ dequantized once into a plain HF folder that every group of a recipe loads, save
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,8 @@ def test_a_gguf_file_becomes_a_plain_folder_with_the_same_model(gguf_dir):
 
     src, out = gguf_dir
     folder = local(str(out / "tiny.gguf"))
-    assert folder is not None and (folder / "config.json").is_file() and not list(folder.glob("*.gguf"))
+    assert folder is not None and not list(folder.glob("*.gguf"))
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     assert local(str(out), "tiny.gguf") == folder  # made once
     model, original = AutoModelForCausalLM.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(src)
     tok, tok0 = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(src)

@@ -74,9 +74,10 @@ def load_rows(
         task = importlib.import_module(BUILTIN_TASKS[cfg.dataset])
         train, held_out = task.split()
     else:
-        train, held_out = _read(cfg, cfg.dataset, cfg.dataset_split, bad), []
+        train, held_out = _read(cfg, cfg.dataset, cfg.dataset_split, bad)[: cfg.max_rows], []
     if cfg.eval_dataset is not None and cfg.eval_dataset not in BUILTIN_TASKS:
         held_out = _read(cfg, cfg.eval_dataset, cfg.eval_split, bad)
+    held_out = held_out[: cfg.eval_size]
     for name, path, rows in (("dataset", cfg.dataset, train), ("eval_dataset", cfg.eval_dataset, held_out)):
         good = [r for r in rows if usable(r.get(cfg.prompt_field))]
         if rows and not good:
@@ -100,7 +101,9 @@ def _read(cfg: RolloutConfig, name: str, split: str, bad: list[str]) -> list[dic
     anything else through `datasets.load_dataset`: a .json / .parquet / .csv file, a dataset directory
     (one `save_to_disk` wrote, or data files), or a hub name (from the local cache when offline)."""
     if name.endswith(".jsonl") and Path(name).is_file():
-        return _read_jsonl(name, bad)[: cfg.max_rows]
+        return _read_jsonl(name, bad)
+    if name.startswith("reasoning_gym:"):
+        return _generate(name.partition(":")[2], cfg.dataset_kwargs, held_out=split != cfg.dataset_split)
     from datasets import load_dataset, load_from_disk
 
     path = Path(name)
@@ -113,8 +116,19 @@ def _read(cfg: RolloutConfig, name: str, split: str, bad: list[str]) -> list[dic
         ds = ds[split] if hasattr(ds, "keys") else ds
     else:
         ds = load_dataset(name, cfg.dataset_config, split=split, streaming=cfg.streaming)
-    rows = ds if cfg.max_rows is None else itertools.islice(ds, cfg.max_rows)
-    return [dict(r) for r in rows]
+    limit = cfg.max_rows if split == cfg.dataset_split else cfg.eval_size
+    return [dict(r) for r in (ds if limit is None else itertools.islice(ds, limit))]
+
+
+def _generate(task: str, kwargs: dict[str, Any], *, held_out: bool) -> list[dict[str, Any]]:
+    """Rows {"prompt", "answer", "metadata"} of reasoning-gym task `task` (held-out: seed + 1)."""
+    import reasoning_gym
+
+    kwargs = {"seed": 0, **kwargs}
+    if held_out:
+        kwargs["seed"] += 1
+    ds = reasoning_gym.create_dataset(task, **kwargs)
+    return [{"prompt": x["question"], "answer": str(x["answer"]), "metadata": x["metadata"]} for x in ds]
 
 
 def _read_jsonl(path: str, bad: list[str]) -> list[dict[str, Any]]:
