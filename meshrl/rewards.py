@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -42,17 +43,20 @@ def math_answer(prompts: list[Any], completions: list[Any], **columns: Any) -> l
     """Whether each completion's final answer equals its row's `answer` (math-verify's equality)."""
     from math_verify import parse, verify
 
+    # math-verify's time limits use SIGALRM, which only the main thread may set: off it, none
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
     answers = columns.get("answer") or [None] * len(completions)
     out: list[float | None] = []
     for completion, answer in zip(completions, answers, strict=True):
         if answer is None or str(answer).strip() == "":
             out.append(None)
             continue
-        gold = parse(str(answer))
+        gold = parse(str(answer), parsing_timeout=limit)
         if not gold:  # an answer math-verify cannot read: compare the text itself
             out.append(float(final_answer(text_of(completion)) == str(answer).strip()))
             continue
-        out.append(float(verify(gold, parse(final_answer(text_of(completion))))))
+        guess = parse(final_answer(text_of(completion)), parsing_timeout=limit)
+        out.append(float(verify(gold, guess, timeout_seconds=limit)))
     return out
 
 
