@@ -94,3 +94,13 @@ def test_a_reasoning_gym_task_generates_train_and_other_held_out_rows():
     assert all(r["answer"].isdigit() and "legs" in r["prompt"] for r in train + held_out)
     assert {r["prompt"] for r in held_out} != {r["prompt"] for r in train[:5]}
     assert load_rows(cfg)[0] == train  # the same seed, the same rows
+
+
+def test_dataset_settings_are_checked_all_at_once():
+    from meshrl.planning.config import RecipeError
+
+    with pytest.raises(RecipeError) as e:
+        RolloutConfig(model=".", max_rows=0, eval_size=-1, streaming=True)
+    assert [p.split(":")[0] for p in e.value.problems] == ["max_rows", "eval_size"]
+    with pytest.raises(RecipeError, match="streaming: needs max_rows"):
+        RolloutConfig(model=".", streaming=True)

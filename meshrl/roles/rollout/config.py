@@ -75,7 +75,7 @@ class RolloutConfig(ServiceConfig):
     """Column holding the prompt: a string, or a list of chat messages ({"role", "content"}: TRL's
     conversational format, always rendered with the chat template)."""
     system_prompt: str | None = None
-    """A system message put before each prompt (needs the chat template)."""
+    """A system message put before each prompt (prompts then go through the chat template)."""
     chat_template: bool = False
     """Render string prompts with the tokenizer's chat template (as one user message)."""
     rewards: dict[str, float] = field(default_factory=lambda: {"meshrl.tasks.arith:reward": 1.0})
@@ -138,6 +138,9 @@ class RolloutConfig(ServiceConfig):
         if not 0 <= self.max_failed_fraction <= 1:
             yield "max_failed_fraction: must be in [0, 1]"
         yield from self._reward_problems()
+        for name, value in (("max_rows", self.max_rows), ("eval_size", self.eval_size)):
+            if value is not None and value < 1:
+                yield f"{name}: must be >= 1 or None"
         if self.streaming and self.max_rows is None:
             yield "streaming: needs max_rows (how many rows of the stream to read)"
         if self.max_prompt_len < 1:
