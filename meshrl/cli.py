@@ -14,6 +14,7 @@ commands:
   eval RECIPE [--model PATH] [key=value ...]  held-out accuracy, pass@k, reward per function (JSON)
   sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
+  dashboard [RUN_DIR] [--host H] [--port P]  a run's charts, services and samples in the browser
   queue serve [...]                          run the data plane's controller / storage server
 """
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.observe.status import main as status
 
         raise SystemExit(status(rest))
+    if cmd == "dashboard":
+        from meshrl.observe.dashboard import main as dashboard
+
+        raise SystemExit(dashboard(rest))
     if cmd == "queue" and rest[:1] == ["serve"]:
         from meshrl.dataplane.serve import main as serve
 

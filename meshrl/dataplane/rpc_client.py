@@ -12,6 +12,7 @@ import os
 import select
 import socket
 import time
+from typing import Any
 
 from meshrl.dataplane.rpc import GREETING_LEN, HEADER, Spin, address, answer, tune
 
@@ -207,3 +208,38 @@ class AsyncRpcClient:
         self.writer.close()
         with contextlib.suppress(ConnectionError, asyncio.CancelledError):
             await self.writer.wait_closed()
+
+
+class Wire:
+    """A connection to the controller that speaks its messages directly (`call`), for the launcher: the
+    data-plane client imports torch, and a launcher does not."""
+
+    def __init__(self, controller: str, secret: str | None, name: str, timeout: float = 30.0) -> None:
+        from meshrl.dataplane import protocol as P
+        from meshrl.dataplane.wire import host_id
+
+        self.P, self.name, self.timeout = P, name, timeout
+        self.rpc = RpcClient(controller, secret, timeout)
+        try:
+            self.hello = self.call(P.Hello(client=name, host=host_id(), pid=os.getpid()))
+        except BaseException:
+            self.rpc.close()
+            raise
+
+    def call(self, msg: Any) -> Any:
+        reply = self.P.decode_reply(self.rpc.call(self.P.encode(msg), self.timeout))
+        if isinstance(reply, self.P.Error):
+            raise RuntimeError(f"data plane: {type(msg).__name__} refused: {reply.message}")
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.call(self.P.Bye(self.name))
+        finally:
+            self.rpc.close()
+
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

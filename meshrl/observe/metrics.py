@@ -99,6 +99,9 @@ CATALOGUE: dict[str, Metric] = {
     "time/ring_s": Metric(M, "waiting for the devices (a colocation ring)"),
     "overhead_fraction": Metric(M, "share of the step outside generation, forward/backward and optimizer"),
     "samples_per_s": Metric(M, "samples trained per second of the step"),
+    "generate_tokens_per_s": Metric(
+        M, "inference's throughput: the step's response tokens per second of its generation batches"
+    ),
     # evaluation (rollout, eval.jsonl)
     "greedy_accuracy": Metric(M, "mean reward of greedy completions of the held-out prompts"),
     "sampled_accuracy": Metric(M, "mean reward of sampled completions of the held-out prompts"),

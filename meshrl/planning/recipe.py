@@ -96,6 +96,43 @@ class DataPlaneConfig(Config):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WandbConfig(Config):
+    project: str = ""
+    """Weights & Biases project; empty: no W&B run."""
+    entity: str = ""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """"auto": online when an API key is configured (WANDB_API_KEY or `wandb login`), else offline (the run
+    directory's wandb/ folder; `wandb sync` uploads it later)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowConfig(Config):
+    experiment: str = ""
+    """MLflow experiment; empty: no MLflow run."""
+    tracking_uri: str = ""
+    """Default: a file store in the run directory (<run_dir>/mlruns)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig(Config):
+    """Where a run's metrics go besides its files (metrics.jsonl, eval.jsonl, critic.jsonl, samples.jsonl):
+    experiment trackers, each optional (`pip install meshrl[trackers]`), fed by the lead launcher from
+    those files (meshrl/observe/follow.py), so a tracker costs the services nothing and one that fails
+    stops only itself."""
+
+    tensorboard: bool = False
+    """TensorBoard event files in <run_dir>/tensorboard."""
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    samples_per_step: int = 4
+    """Sample completions the trainer writes to samples.jsonl each step (0: none)."""
+
+    def validate(self) -> Iterator[str]:
+        if self.samples_per_step < 0:
+            yield f"log.samples_per_step: must be >= 0, got {self.samples_per_step}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Recipe(Config):
     name: str
     groups: tuple[ServiceGroup, ...]
@@ -118,6 +155,7 @@ class Recipe(Config):
     """Checkpoint the whole run every this many steps (0: never); see meshrl/state/checkpoint.py."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept (older ones are deleted once a newer one is complete)."""
+    log: LogConfig = LogConfig()
 
     def validate(self) -> Iterator[str]:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:

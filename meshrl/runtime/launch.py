@@ -18,6 +18,7 @@ launcher was killed, its zygote does).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.columns import CONTROL, EVENT, FAILED
+from meshrl.dataplane.rpc_client import Wire
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
+from meshrl.observe.follow import Follower, backlog
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
-from meshrl.runtime.supervise import Child, Interrupted, Progress, Signals, stop_all, sweep, wait_ready
+from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
 from meshrl.runtime.zygote import Forker, ZygoteDied
 from meshrl.state import checkpoint as ckpt
 
@@ -138,6 +141,7 @@ class Launcher:
             if self.resume is None:  # a fresh start: nothing of an earlier run may be resumed or counted
                 shutil.rmtree(ckpt.root(self.run_dir), ignore_errors=True)
                 (self.run_dir / "ledger.jsonl").unlink(missing_ok=True)
+                (self.run_dir / "trackers.json").unlink(missing_ok=True)  # new tracker runs
             self._write_run_files(recipe, topology)
         self.processes = {p.name: p for r in topology.replicas for p in r.processes}
         # this launch's id (the lead's): state that must not outlive a launch (colocation rings) is named
@@ -294,12 +298,20 @@ class Launcher:
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
-        progress = Progress(self.run_dir / "metrics.jsonl", self.recipe.total_steps) if self.lead else None
+        follower = None
+        if self.lead:  # the progress line and the experiment trackers, from the run's files
+            config = json.loads((self.run_dir / "config.json").read_text())
+            plane = Wire(controller, secret, f"launcher-{os.getpid()}.follow", timeout=5.0)
+
+            def probe() -> dict[str, float]:
+                return backlog(plane.call(plane.P.Status()))
+
+            follower = Follower.for_run(
+                self.run_dir, config, self.recipe.log, self.recipe.total_steps, probe
+            ).start()
         try:
             while running:
                 self.signals.check()
-                if progress is not None:
-                    progress.update()
                 if self.zygote is not None and self.zygote.process.poll() is not None:
                     return self._fail(self.zygote.process, controller, secret)
                 for c in list(running):
@@ -310,11 +322,11 @@ class Launcher:
                     if code != 0:
                         return self._fail(c, controller, secret)
                 time.sleep(0.1)
-            if progress is not None:
-                progress.update()
         finally:
-            if progress is not None:
-                progress.close()
+            if follower is not None:
+                follower.stop()
+                with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                    plane.close()
         return 0
 
     def _rejoin(self, child: Child) -> bool:
@@ -407,28 +419,13 @@ def _partitions(recipe: Recipe) -> list[tuple[str, int, list[str]]]:
 def _prepare_dataplane(
     controller: str, secret: str | None, partitions: list[tuple[str, int, list[str]]]
 ) -> tuple[str, str]:
-    """Create `partitions`; returns the run's id and shared-memory directory. Speaks the wire protocol
-    itself: the data-plane client imports torch, and a launcher does not."""
+    """Create `partitions`; returns the run's id and shared-memory directory."""
     from meshrl.dataplane import protocol as P
-    from meshrl.dataplane.rpc_client import RpcClient
 
-    rpc = RpcClient(controller, secret, 30.0)
-    name = f"launcher-{os.getpid()}"
-
-    def call(msg: Any) -> Any:
-        reply = P.decode_reply(rpc.call(P.encode(msg), 30.0))
-        if isinstance(reply, P.Error):
-            raise RuntimeError(f"data plane: {type(msg).__name__} refused: {reply.message}")
-        return reply
-
-    try:
-        hello = call(P.Hello(client=name, host=host_id(), pid=os.getpid()))
+    with Wire(controller, secret, f"launcher-{os.getpid()}") as wire:
         for part, capacity, retain in partitions:
-            call(P.CreatePartition(part, capacity, delete_when_acked_by=retain))
-        call(P.Bye(name))
-        return str(hello.run), str(hello.shm_dir)
-    finally:
-        rpc.close()
+            wire.call(P.CreatePartition(part, capacity, delete_when_acked_by=retain))
+        return str(wire.hello.run), str(wire.hello.shm_dir)
 
 
 def _my_address() -> str:

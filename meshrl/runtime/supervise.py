@@ -153,45 +153,6 @@ class Signals:
         self.check()
 
 
-class Progress:
-    """A progress bar over training steps, fed by the trainer's metrics.jsonl (the lead launcher)."""
-
-    def __init__(self, path: Path, total: int) -> None:
-        self.path = path
-        self.total = total
-        self.offset = 0
-        self.bar: Any = None
-
-    def update(self) -> None:
-        try:
-            with open(self.path) as f:
-                f.seek(self.offset)
-                lines = f.readlines()
-                self.offset = f.tell()
-        except OSError:
-            return
-        rows = [json.loads(line) for line in lines if line.endswith("\n")]
-        if not rows:
-            return
-        last = rows[-1]
-        if not sys.stderr.isatty():  # logs and CI: a line every 10 steps instead of a redrawn bar
-            for row in rows:
-                if row["step"] % 10 == 9 or row["step"] == self.total - 1:
-                    print(f"[meshrl] step {row['step'] + 1}/{self.total} reward {row.get('reward_mean', 0):.3f} "
-                          f"loss {row.get('loss', 0):.4f}", flush=True)  # fmt: skip
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.total, desc="train", unit="step", dynamic_ncols=True)
-        self.bar.set_postfix(reward=f"{last.get('reward_mean', 0):.3f}", loss=f"{last.get('loss', 0):.4f}")
-        self.bar.update(len(rows))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def stop_all(children: list[Child], grace: float = 10.0) -> int:
     """Stop children together (SIGTERM to all, then wait, SIGKILL what is left after `grace` seconds).
     Returns how many were running."""

@@ -4,12 +4,18 @@ reduces are in meshrl/observe/metrics.py."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from meshrl.algorithms.filters import groups_with_signal
-from meshrl.observe.metrics import Metrics, merged
+from meshrl.columns import PROMPT, RESPONSE
+from meshrl.dataplane import Batch
+from meshrl.observe.metrics import JsonlSink, Metrics, merged
+
+log = logging.getLogger("meshrl.trainer")
 
 
 def sample_metrics(parts: list[dict[str, torch.Tensor]], group: Any = None) -> dict[str, float]:
@@ -71,4 +77,57 @@ def step_row(
         "time/ring_s": times["ring_s"],
         "overhead_fraction": max(0.0, 1.0 - (gen_s + fb + opt) / step_s) if step_s > 0 else 0.0,
         "samples_per_s": n / step_s if step_s > 0 else 0.0,
+        "generate_tokens_per_s": samples["response_len_mean"] * n / gen_s if gen_s > 0 else 0.0,
     }
+
+
+class SampleLog:
+    """A few of each step's samples, decoded, in samples.jsonl (rank 0's): what the model wrote next to
+    its reward, advantage and weight versions. The token ids are copied when the rows arrive, decoded
+    when the step's line is written."""
+
+    def __init__(self, path: Path, model: str, n: int, *, fresh: bool) -> None:
+        # a resumed run appends: the steps it trains again get lines of their own
+        self.sink, self.model, self.n = JsonlSink(path, keep=0 if fresh else None), model, n
+        self.tokenizer: Any = None
+        self.pending: list[dict[str, Any]] = []
+
+    def take(self, batch: Batch, summary: dict[str, torch.Tensor], version: int) -> None:
+        """Keep up to n rows of `batch` (spread over it: different groups) while the step has room."""
+        room = self.n - len(self.pending)
+        if room <= 0 or not len(batch):
+            return
+        prompts, responses = batch.ragged(PROMPT), batch.ragged(RESPONSE)
+        for i in sorted({k * len(batch) // room for k in range(room)}):
+            self.pending.append({
+                "prompt_ids": prompts[i].tolist(), "completion_ids": responses[i].tolist(),
+                "reward": float(summary["reward"][i]), "advantage": float(summary["advantage"][i]),
+                "valid": bool(summary["valid"][i]), "born": int(version - summary["staleness"][i]),
+                "staleness": int(summary["staleness"][i]),
+            })  # fmt: skip
+
+    def write(self, step: int, version: int) -> None:
+        pending, self.pending = self.pending, []
+        if not pending or not self._load_tokenizer():
+            return
+        for row in pending:
+            prompt, completion = row.pop("prompt_ids"), row.pop("completion_ids")
+            self.sink.write({
+                "step": step, "version": version, "prompt": self.tokenizer.decode(prompt),
+                "completion": self.tokenizer.decode(completion), **row,
+            })  # fmt: skip
+
+    def _load_tokenizer(self) -> bool:
+        if self.tokenizer is None and self.model:
+            try:
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+            except Exception as e:
+                log.warning("no sample completions in samples.jsonl: cannot load a tokenizer from %s (%s)",
+                            self.model, e)  # fmt: skip
+                self.model = ""
+        return self.tokenizer is not None
+
+    def close(self) -> None:
+        self.sink.close()

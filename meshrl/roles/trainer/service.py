@@ -34,7 +34,7 @@ from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
 from meshrl.roles.trainer.publish import Publisher
-from meshrl.roles.trainer.report import sample_metrics, step_row
+from meshrl.roles.trainer.report import SampleLog, sample_metrics, step_row
 from meshrl.runtime.service import Service
 from meshrl.state import checkpoint as ckpt
 
@@ -90,6 +90,12 @@ class TrainerService(Service):
             metrics_lines = self.resume(self.ctx.resume)
         self.metrics = (
             JsonlSink(self.ctx.run_dir / "metrics.jsonl", keep=metrics_lines) if self.rank == 0 else None
+        )
+        shown = self.ctx.recipe.log.samples_per_step
+        self.samples = (
+            SampleLog(self.ctx.run_dir / "samples.jsonl", cfg.model, shown, fresh=self.ctx.resume is None)
+            if self.rank == 0 and shown
+            else None
         )
 
     @property
@@ -162,6 +168,8 @@ class TrainerService(Service):
             if cfg.max_staleness is not None:
                 keep = summary["staleness"] <= cfg.max_staleness
             summary["dropped"] = ~keep
+            if self.samples is not None:
+                self.samples.take(mini.batch, summary, self.version)
             if keep.any():
                 stats.append(self.train(mini, keep, summary))
             self.client.ack(mini.batch, wait=False)  # the rows go now (retention); all used was copied
@@ -333,6 +341,8 @@ class TrainerService(Service):
         if self.metrics is not None:
             times["publish_s"] = self.publisher.publish_s
             self.metrics.write(step_row(step, self.version, samples, stats, times))
+        if self.samples is not None:
+            self.samples.write(step, self.version)
 
     def offload(self) -> None:
         self.engine.offload(str(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin"))
@@ -343,6 +353,8 @@ class TrainerService(Service):
     def close(self) -> None:
         if hasattr(self, "publisher"):
             self.publisher.close()
+        if getattr(self, "samples", None) is not None:
+            self.samples.close()  # type: ignore[union-attr]
         if hasattr(self, "client"):
             self.client.close()
         if dist.is_initialized():

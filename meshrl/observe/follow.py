@@ -1,0 +1,219 @@
+"""The lead launcher follows the run's files and feeds what watches the run: the terminal progress line
+and the experiment trackers (`trackers.py`).
+
+The services write their rows to files in the run directory (the trainer metrics.jsonl and
+samples.jsonl, rollout eval.jsonl, the critic critic.jsonl); a thread of the lead launcher reads the
+new lines once a second and hands them on. Trackers are therefore one run on one step axis whatever
+the number of services and hosts, cost the services nothing, and one that blocks or fails holds up
+nothing but itself. The step axis is the weight version (steps trained so far) every row carries.
+
+A resumed run cuts its files back to its checkpoint and writes those steps again: a tracker gets each
+step of each file once (what it was sent is kept in <run_dir>/trackers.json), the progress line shows
+them again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from meshrl.columns import CHECKPOINT, CONTROL, GATE
+from meshrl.observe.trackers import Ids, Tracker, open_trackers
+
+log = logging.getLogger("meshrl.follow")
+
+SOURCES = {"metrics.jsonl": "train", "eval.jsonl": "eval", "critic.jsonl": "critic"}
+"""Files of scalar rows and the prefix of their names in a tracker (train/reward_mean, ...)."""
+SAMPLES = "samples.jsonl"
+PROBE_S = 5.0
+
+
+def backlog(status: Any) -> dict[str, float]:
+    """Tracker scalars of the data plane's status (a StatusReply): rows ready and claimed per consumer
+    of each work partition (control signals left out)."""
+    out: dict[str, float] = {}
+    for p in status.partitions:
+        if p.name in (CONTROL, CHECKPOINT, GATE) or p.name.startswith("ring."):
+            continue
+        for c in p.consumers:
+            out[f"dataplane/{p.name}/{c.name}/ready"] = float(c.ready)
+            out[f"dataplane/{p.name}/{c.name}/claimed"] = float(c.claimed)
+    return out
+
+
+class Tail:
+    """The complete lines a file gained since the last read, parsed; starts over when the file was cut
+    back (a resumed run rewrites it from its checkpoint)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            if self.path.stat().st_size < self.offset:
+                self.offset = 0
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line being written is read when it is complete
+        self.offset += end
+        rows = []
+        for line in data[:end].splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                log.warning("%s: a line that is not JSON skipped", self.path.name)
+        return rows
+
+
+def step_of(row: dict[str, Any]) -> int:
+    """The row's place on the step axis: the weight version it was measured at."""
+    return int(row.get("version", row.get("step", 0)))
+
+
+def scalars(prefix: str, row: dict[str, Any]) -> dict[str, float]:
+    return {
+        f"{prefix}/{k}": float(v)
+        for k, v in row.items()
+        if k not in ("step", "version", "time") and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class Follower:
+    """Reads the run's files and feeds `progress` and the trackers, on a thread of its own (`start`,
+    `stop`) or by `poll` calls."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        trackers: list[Tracker],
+        progress: Progress | None,
+        probe: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
+        """`probe`: scalars of the live run (the data plane's backlog), sent to the trackers every
+        PROBE_S seconds at the latest step the trainer reported."""
+        self.run_dir, self.trackers, self.progress, self.probe = run_dir, trackers, progress, probe
+        self.probed = 0.0
+        self.tails = {name: Tail(run_dir / name) for name in [*SOURCES, SAMPLES]}
+        self.sent = Ids(run_dir / "trackers.json")
+        self.done = {name: int(self.sent.get(f"sent:{name}") or -1) for name in self.tails}
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def for_run(
+        cls,
+        run_dir: Path,
+        config: dict[str, Any],
+        log_cfg: Any,
+        total_steps: int,
+        probe: Callable[[], dict[str, float]] | None = None,
+    ) -> Follower:
+        trackers = open_trackers(log_cfg, run_dir, config)
+        return cls(run_dir, trackers, Progress(total_steps), probe if trackers else None)
+
+    def poll(self) -> None:
+        self._read_files()
+        if self.probe is not None and time.monotonic() - self.probed >= PROBE_S:
+            self.probed = time.monotonic()
+            try:
+                values = self.probe()
+            except Exception as e:
+                log.warning("no data-plane metrics for the trackers: %s", e)
+                self.probe = None
+                return
+            for tracker in self.trackers:
+                tracker.scalars(max(self.done["metrics.jsonl"], 0), values)
+
+    def _read_files(self) -> None:
+        for name, tail in self.tails.items():
+            rows = tail.read()
+            if name == "metrics.jsonl" and rows and self.progress is not None:
+                self.progress.update(rows)
+            fresh = [r for r in rows if step_of(r) > self.done[name]]
+            if not fresh or not self.trackers:
+                continue
+            if name == SAMPLES:
+                by_step: dict[int, list[dict[str, Any]]] = {}
+                for r in fresh:
+                    by_step.setdefault(step_of(r), []).append(r)
+                for tracker in self.trackers:
+                    for step, batch in by_step.items():
+                        tracker.samples(step, batch)
+            else:
+                for tracker in self.trackers:
+                    for r in fresh:
+                        tracker.scalars(step_of(r), scalars(SOURCES[name], r))
+            self.done[name] = max(step_of(r) for r in fresh)
+            self.sent.set(f"sent:{name}", str(self.done[name]))
+
+    def start(self) -> Follower:
+        self.thread = threading.Thread(target=self._loop, name="follow", daemon=True)
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self.stopping.wait(1.0):
+            self.poll()
+
+    def stop(self) -> None:
+        """The last lines, then the trackers closed."""
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join()
+        self.poll()
+        for tracker in self.trackers:
+            tracker.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+class Progress:
+    """Training progress from the trainer's metrics rows: on a terminal one line redrawn in place (step /
+    total, reward, samples/s, time left); otherwise (CI, a log file) a plain line every 10 steps."""
+
+    def __init__(self, total: int, out: TextIO | None = None) -> None:
+        self.total = total
+        self.out = out or sys.stderr
+        self.tty = self.out.isatty()
+        self.steps_s: deque[float] = deque(maxlen=10)
+        self.drawn = False
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.steps_s.append(float(row.get("time/step_s", 0.0)))
+            done = int(row["step"]) + 1
+            if self.tty or done % 10 == 0 or done == self.total:
+                self._show(done, row)
+
+    def _show(self, done: int, row: dict[str, Any]) -> None:
+        step_s = sorted(self.steps_s)[len(self.steps_s) // 2] if self.steps_s else 0.0  # the median
+        left = _duration(step_s * (self.total - done))
+        text = (f"step {done}/{self.total}  reward {row.get('reward_mean', 0.0):.3f}  loss "
+                f"{row.get('loss', 0.0):.4f}  {row.get('samples_per_s', 0.0):.1f} samples/s  ETA {left}")  # fmt: skip
+        if self.tty:
+            self.out.write(f"\r\x1b[K[meshrl] {text}")
+            self.drawn = True
+        else:
+            self.out.write(f"[meshrl] {text}\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.out.write("\n")
+            self.out.flush()
+            self.drawn = False
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
