@@ -195,7 +195,10 @@ class Scoring:
                 self.metrics.add(f"reward/{name}", torch.tensor(list(values.values())))
         self.counted += n
         if self.counted >= self.recipe.batch_size and self.metrics.acc:
-            self.sink.write({"scored": self.state.scored + n, **self.metrics.reduce()})
+            done = self.state.scored + n  # the step those samples train (exactly so in lock-step)
+            self.sink.write(
+                {"step": done // self.recipe.batch_size - 1, "scored": done, **self.metrics.reduce()}
+            )
             self.metrics, self.counted = Metrics(), 0
 
     def advantages(
