@@ -97,3 +97,25 @@ def test_bad_input_fails_at_start_up_naming_the_field(tmp_path, tiny_model):
     assert "groups['rollout'].config.dataset: rows have no field 'prompt'" in r.stderr
     r = run(tmp_path, f"*.model={tiny_model}", "trainer.temperature=0.5")  # stated once: no disagreement
     assert r.returncode == 2 and "temperature is set once for the whole recipe" in r.stderr
+
+
+def test_a_trl_style_run_conversational_prompts_and_weighted_async_rewards(tmp_path, tiny_model):
+    """As a TRL user brings it: a JSONL of chat-message prompts, a system prompt, several weighted
+    reward functions (one async and batched, one per sample that is sometimes not applicable)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}) + "\n"
+        for a in range(10) for b in range(10)
+    ))  # fmt: skip
+    run_dir = tmp_path / "run"
+    rewards = {
+        "tests.integration.grpo.rewards:chat_judge": 1.0,
+        "tests.integration.grpo.rewards:odd_only": 0.5,
+    }
+    r = run(tmp_path, f"*.model={tiny_model}", f"run_dir={run_dir}", "total_steps=3", f"rollout.dataset={data}",
+            "rollout.system_prompt=add.", f"rollout.rewards={json.dumps(rewards)}", "rollout.eval_every=0")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert len(rows(run_dir / "metrics.jsonl")) == 3
+    logged = rows(run_dir / "rewards.jsonl")
+    assert [line["step"] for line in logged] == [0, 1, 2]
+    assert all({"reward/chat_judge", "reward/odd_only"} <= set(line) for line in logged)
