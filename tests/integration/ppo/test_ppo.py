@@ -9,7 +9,7 @@ import pytest
 from tests.integration.grpo.test_grpo import REPO, rows, run
 
 PPO = str(REPO / "recipes" / "ppo_arith.py")
-EVEN = "rollout.reward=tests.integration.ppo.rewards:even_first_digit"
+EVEN = 'rollout.rewards={"tests.integration.ppo.rewards:even_first_digit": 1}'
 
 
 def mean(xs: list[float]) -> float:
