@@ -157,8 +157,6 @@ class RolloutConfig(ServiceConfig):
             yield "overlong_buffer: must be between 0 and overlong_max_len"
 
     def _reward_problems(self) -> Iterator[str]:
-        from meshrl.roles.rollout.rewards import metric_name
-
         for spec, weight in self.rewards.items():
             if ":" not in spec:
                 yield f"rewards: {spec!r} must look like 'package.module:function'"
@@ -258,3 +256,9 @@ def _first_row_fields(path: str) -> set[str] | None:
                         return None
                     return set(row) if isinstance(row, dict) else None
     return None
+
+
+def metric_name(spec: str) -> str:
+    """The name a reward function's values are logged under (`reward/<name>`): the function part of
+    `module:function`."""
+    return spec.rpartition(":")[2]

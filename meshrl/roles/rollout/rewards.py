@@ -35,6 +35,7 @@ import torch
 
 from meshrl.columns import RESPONSE
 from meshrl.dataplane import Batch
+from meshrl.roles.rollout.config import metric_name
 
 log = logging.getLogger("meshrl.rollout")
 
@@ -49,11 +50,6 @@ class RewardFunction:
     weight: float
     batched: bool
     """Takes `**kwargs`: called once per batch, TRL's way."""
-
-
-def metric_name(spec: str) -> str:
-    """The name a reward function's values are logged under: the function part of `module:function`."""
-    return spec.rpartition(":")[2]
 
 
 def load(rewards: dict[str, float]) -> list[RewardFunction]:
