@@ -6,9 +6,13 @@
     python benchmarks/e2e_cpu.py --recipe opd_arith --json  # + a teacher (on-policy distillation)
     python benchmarks/e2e_cpu.py --engine vllm --json      # vLLM generating (needs the vllm extra), and
                                                            # the HF engine on the same recipe as baseline
+    python benchmarks/e2e_cpu.py --sinks --json            # every tracker on (TensorBoard, W&B offline,
+                                                           # MLflow), and the run with none as baseline
+    python benchmarks/e2e_cpu.py --recipe grpo_smollm --steps 10 --json   # a real model (SmolLM2-135M)
 
 Builds the tiny model and its supervised warm start (as `make run` does; for a recipe with a teacher,
-also the teacher: a longer supervised run of `--teacher-sft-steps`), runs the recipe as separate
+also the teacher: a longer supervised run of `--teacher-sft-steps`), or for a recipe on a real model
+fetches that (`meshrl models`, cached), runs the recipe as separate
 processes, samples the resident memory of the whole process tree every 0.2 s, and reads the trainer's
 metrics.jsonl. Steady state excludes the first `--warmup` steps.
 
@@ -23,6 +27,8 @@ metrics.jsonl. Steady state excludes the first `--warmup` steps.
 - teacher_agreement_first10 / _last10 (recipes with a teacher): share of response tokens where the
   student's most likely token is the teacher's, first and last 10 steps; teacher_kl_first10 / _last10
   the forward KL from the teacher's top-k;
+- heldout_greedy_before / _after, heldout_sampled_before / _after: the run's first and last
+  evaluation (eval.jsonl);
 - value_loss_first10 / _last10 (a critic service or a trainer value head), explained_variance_first10 /
   _last10 (value head).
 """
@@ -60,6 +66,17 @@ def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Pa
         return root / "sft", None
     train(SFTConfig(model=str(base), out=str(root / "teacher"), steps=teacher_steps))
     return root / "sft", root / "teacher"
+
+
+REAL_MODELS = {"grpo_smollm": "smollm2-135m"}
+"""Recipes that train a real pretrained model instead of the tiny one: the `meshrl models` name."""
+
+
+def real_model(root: Path, name: str) -> Path:
+    from meshrl.models.fetch import main as models
+
+    models([name, "--out", str(root / name)])
+    return root / name
 
 
 def teacher_groups(recipe: str) -> list[str]:
@@ -114,6 +131,9 @@ def run(
     if args.prompts:
         overrides.append(f"prompts_per_step={args.prompts}")
     overrides += args.set
+    if args.sinks:
+        overrides += ["log.tensorboard=true", "log.wandb.project=e2e-cpu", "log.wandb.mode=offline",
+                      "log.mlflow.experiment=e2e-cpu"]  # fmt: skip
     cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / "recipes" / f"{args.recipe}.py"), *overrides]
     t0 = time.time()
     proc = subprocess.Popen(
@@ -146,6 +166,7 @@ def run(
         **critic_figures(run_dir, args.warmup),
         **value_head_figures(metrics),
         **teacher_figures(metrics),
+        **heldout_figures(run_dir),
         "steps": len(metrics),
         "wall_s": round(wall, 1),
         "recipe": args.recipe,
@@ -153,6 +174,16 @@ def run(
         "engine": args.engine,
         "prompts_per_step": args.prompts or "recipe default",
     }
+
+
+def heldout_figures(run_dir: Path) -> dict[str, object]:
+    """Greedy and sampled held-out accuracy at the run's first and last evaluation."""
+    path = run_dir / "eval.jsonl"
+    evals = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    if not evals:
+        return {}
+    return {f"heldout_{kind}_{when}": round(e[f"{kind}_accuracy"], 4)
+            for when, e in (("before", evals[0]), ("after", evals[-1])) for kind in ("greedy", "sampled")}  # fmt: skip
 
 
 def critic_figures(run_dir: Path, warmup: int) -> dict[str, object]:
@@ -205,13 +236,17 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=60)
     ap.add_argument("--teacher-sft-steps", type=int, default=200, help="for recipes with a teacher")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
+    ap.add_argument("--sinks", action="store_true", help="every experiment tracker on; baseline: none")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshrl-e2e-") as tmp:
         root = Path(tmp)
         teachers = teacher_groups(args.recipe)
-        model, teacher = build_models(
-            root / "models", args.sft_steps, args.teacher_sft_steps if teachers else 0
-        )
+        if args.recipe in REAL_MODELS:
+            model, teacher = real_model(root / "models", REAL_MODELS[args.recipe]), None
+        else:
+            model, teacher = build_models(
+                root / "models", args.sft_steps, args.teacher_sft_steps if teachers else 0
+            )
         os.makedirs(root / "work", exist_ok=True)
         result = run(args, model, root / "work" / "run", teacher)
         if args.engine != "hf":  # the HF engine on the same recipe and models, in this same invocation
@@ -221,6 +256,15 @@ def main() -> None:
             result["baseline_hf"] = {k: base[k] for k in ("samples_per_s", "median_step_s", "startup_s",
                                                           "reward_first10", "reward_last10", "peak_rss_mb")}  # fmt: skip
             result["ratio_vs_hf"] = round(float(result["samples_per_s"]) / float(base["samples_per_s"]), 3)  # type: ignore[arg-type]
+        if args.sinks:  # the same run without trackers, in this same invocation
+            base = run(
+                argparse.Namespace(**{**vars(args), "sinks": False}), model, root / "work" / "plain", teacher
+            )
+            result["baseline_no_sinks"] = {k: base[k] for k in ("samples_per_s", "median_step_s", "overhead_fraction",
+                                                                "peak_rss_mb")}  # fmt: skip
+            result["sinks_overhead_delta"] = round(
+                float(result["overhead_fraction"]) - float(base["overhead_fraction"]), 4
+            )  # type: ignore[arg-type]
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

@@ -10,6 +10,8 @@ commands:
   demo                                       the main job: a tiny model learns arithmetic by GRPO
   run RECIPE [--devices N] [key=value ...]   run a recipe on this host (Ctrl-C stops it)
   launch RECIPE [key=value ...]              one launcher of a multi-host run (under torchrun -m meshrl)
+  models NAME [--out DIR]                    a real pretrained model as an HF folder (smollm2-135m)
+  eval RECIPE [--model PATH] [key=value ...]  held-out accuracy, pass@k, reward per function (JSON)
   sft --model PATH --out PATH [...]          supervised warm start on the arithmetic task
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   dashboard [RUN_DIR] [--host H] [--port P]  a run's charts, services and samples in the browser
@@ -33,6 +35,14 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.tasks.arith.demo import main as demo
 
         raise SystemExit(demo(rest))
+    if cmd == "models":
+        from meshrl.models.fetch import main as models
+
+        raise SystemExit(models(rest))
+    if cmd == "eval":
+        from meshrl.runtime.evaluate import main as evaluate
+
+        raise SystemExit(evaluate(rest))
     if cmd == "sft":
         from meshrl.tasks.arith.sft import main as sft
 

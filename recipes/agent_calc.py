@@ -38,8 +38,7 @@ def recipe() -> Recipe:
                 config=RolloutConfig(
                     model=MODEL,
                     dataset="agent_calc",
-                    reward=None,
-                    reward_weight=0.0,
+                    rewards={},
                     env_weight=1.0,
                     window=1,
                 ),

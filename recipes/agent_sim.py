@@ -28,9 +28,7 @@ def recipe() -> Recipe:
         groups=(
             ServiceGroup(
                 id="rollout",
-                config=RolloutConfig(
-                    model=MODEL, reward=None, reward_weight=0.0, env_weight=1.0, window=None
-                ),
+                config=RolloutConfig(model=MODEL, rewards={}, env_weight=1.0, window=None),
             ),
             ServiceGroup(
                 id="env",

@@ -28,7 +28,7 @@ def recipe() -> Recipe:
                 config=RolloutConfig(
                     model=MODEL,
                     dataset="arith",
-                    reward="meshrl.tasks.arith:reward",
+                    rewards={"meshrl.tasks.arith:reward": 1.0},
                     window=1,
                     eval_every=25,
                     eval_samples=4,

@@ -4,7 +4,7 @@
 
 recipes/ppo_arith.py plus a reward-model service (an HF sequence-classification checkpoint with one
 label) that writes `rm_score` into every completion's row. Rollout trains on rm_weight * rm_score (the
-rule reward keeps scoring the held-out evaluation only: reward_weight=0); set both weights to mix them.
+rule reward keeps scoring the held-out evaluation only: its weight is 0); set both weights to mix them.
 """
 
 import dataclasses
@@ -18,6 +18,8 @@ REWARD_MODEL = "runs/arith-rm"
 
 
 def recipe() -> Recipe:
-    base = ppo_recipe().with_overrides(["rollout.rm_weight=1", "rollout.reward_weight=0"])
+    base = ppo_recipe().with_overrides(
+        ["rollout.rm_weight=1", 'rollout.rewards={"meshrl.tasks.arith:reward": 0}']
+    )
     rm = ServiceGroup(id="reward_model", config=RewardModelConfig(model=REWARD_MODEL, threads=1))
     return dataclasses.replace(base, name="ppo_rm", groups=(*base.groups, rm))

@@ -25,6 +25,16 @@ import torch
 if TYPE_CHECKING:
     from meshrl.runtime.weights import Member
 
+
+def dtype_name(loader_kwargs: dict | None, default: str) -> str:
+    """The dtype `loader_kwargs` asks for, under either key from_pretrained accepts (`dtype`, or the
+    older `torch_dtype`), spelled as vLLM and SGLang take it ("bfloat16"); `default` when neither is set.
+    Engines that do not load through from_pretrained read it here, so `dtype=bfloat16` means the same
+    for every engine."""
+    kwargs = loader_kwargs or {}
+    return str(kwargs.get("dtype", kwargs.get("torch_dtype", default))).removeprefix("torch.")
+
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_INTERRUPTED = "interrupted"

@@ -60,25 +60,37 @@ def save_pretrained(
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if rank == 0:
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+        write_pretrained(state, hf_config, path, critic=critic, source=source)
 
-        head: dict[str, Any] = {
-            k.removeprefix("value_head."): state.pop(k) for k in list(state) if k.startswith("value_head.")
-        }
-        auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-        with torch.device("meta"):
-            shell = auto.from_config(hf_config)
-        shell.load_state_dict(state, assign=True)
-        shell.tie_weights()
-        shell.config.use_cache = True  # the engine turned it off to train; its generation config follows
-        if getattr(shell, "generation_config", None) is not None:
-            shell.generation_config.use_cache = True
-        shell.save_pretrained(path)
-        if head:
-            save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, VALUE_HEAD_FILE))
-        if source is not None:
-            carry_over(source, path)
+
+def write_pretrained(
+    state: dict[str, Any],
+    hf_config: Any,
+    path: str,
+    *,
+    critic: bool = False,
+    source: str | None = None,
+) -> None:
+    """A full state dict as a Hugging Face checkpoint in `path` (see `save_pretrained`)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    head: dict[str, Any] = {
+        k.removeprefix("value_head."): state.pop(k) for k in list(state) if k.startswith("value_head.")
+    }
+    auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    with torch.device("meta"):
+        shell = auto.from_config(hf_config)
+    shell.load_state_dict(state, assign=True, strict=False)  # tied weights may be named once
+    shell.tie_weights()
+    shell.config.use_cache = True  # the engine turned it off to train; its generation config follows
+    if getattr(shell, "generation_config", None) is not None:
+        shell.generation_config.use_cache = True
+    shell.save_pretrained(path)
+    if head:
+        save_file({k: v.contiguous() for k, v in head.items()}, os.path.join(path, VALUE_HEAD_FILE))
+    if source is not None:
+        carry_over(source, path)
 
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")
@@ -111,7 +123,7 @@ def save_sharded(model: Any, optimizer: torch.optim.Optimizer, steps: int, path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
     with _single_process_ok():
         dcp.save(
             {"model": model_state, "optim": optim_state, "steps": torch.tensor(steps)}, checkpoint_id=path
@@ -123,12 +135,21 @@ def load_sharded(model: Any, optimizer: torch.optim.Optimizer, path: str) -> int
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_trained_only())
     steps = torch.tensor(0)
     with _single_process_ok():
         dcp.load({"model": model_state, "optim": optim_state, "steps": steps}, checkpoint_id=path)  # in place
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    set_state_dict(
+        model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=_trained_only()
+    )
     return int(steps)
+
+
+def _trained_only() -> Any:
+    """Frozen parameters (a LoRA base) are not part of a run checkpoint: the model they came from has them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,9 @@ gather is collective) and only rank 0 keeps what it yields.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -26,17 +29,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
+from meshrl.algorithms.chunked import head_is_linear, head_logprobs
 from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
 from meshrl.engines.gather import full_tensors
+from meshrl.engines.lora import ADAPTER, add_adapters, merged_parameters, train_dropout
 from meshrl.engines.objective import PolicyObjective, value_terms
 from meshrl.engines.optim import OptimConfig, lr_factor
-from meshrl.engines.packing import TrainBatch
+from meshrl.engines.packing import TrainBatch, token_micro_batches
 from meshrl.observe.metrics import merged
 
 HEADS = ("lm", "value", "lm+value")
+PRECISIONS = ("fp32", "bf16-mixed")
 
 
 class FSDPEngine:
@@ -52,6 +59,10 @@ class FSDPEngine:
         seed: int = 0,
         head: str = "lm",
         temperature: float = 1.0,
+        precision: str = "fp32",
+        activation_checkpointing: bool = False,
+        logits_chunk: int = 1024,
+        lora: Any = None,
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
@@ -59,50 +70,73 @@ class FSDPEngine:
         linear value head on its last hidden state (`model.value_head`, loaded from
         `checkpoints.VALUE_HEAD_FILE` in `model_path` when there is one, else zero: every value starts
         at 0). `temperature`: the policy's log-probabilities are taken under logits / temperature, the
-        distribution inference samples."""
+        distribution inference samples.
+
+        `precision` "fp32" trains in float32; "bf16-mixed" keeps float32 parameters, gradients and optimizer
+        state and computes forward and backward in bfloat16 (autocast; under FSDP the all-gathers are
+        bf16 too, FSDP2's MixedPrecisionPolicy, and gradients are reduced in float32), and publishes the
+        weights in bfloat16: inference receives exactly what the trainer computes with. The model is
+        loaded in float32 whatever its checkpoint's dtype (`_load`).
+        `activation_checkpointing`: each decoder layer keeps only its input for the backward pass and
+        recomputes the rest. `logits_chunk`: positions whose logits exist at a time when the policy's
+        log-probs are computed (`chunked.head_logprobs`); 0 computes the micro-batch's whole logits, as
+        on-policy distillation always does (its top-k KL reads them). `lora` (rank, alpha, target_modules,
+        dropout, save_merged; rank 0 or None: full fine-tuning): train LoRA adapters only (`lora.py`)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+        self.lora = lora if lora is not None and lora.rank > 0 else None
         torch.manual_seed(seed)
         self.head = head
         self.temperature = temperature
         self.device = device
+        self.compute_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+        self.logits_chunk = logits_chunk
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not os.path.exists(model_path):
             raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
-        model: Any
-        if head == "value":
-            model = AutoModelForTokenClassification.from_pretrained(
-                model_path, num_labels=1, **(loader_kwargs or {})
-            )
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
-        model.config.use_cache = False
+        model = _load(model_path, head, loader_kwargs)
         self.hf_config = model.config
         # values need the last hidden state, not the logits: most HF models can skip all but one
         self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         if head == "lm+value":
             model.value_head = checkpoints.value_head(model, model_path)
         model.to(device)
+        # chunked log-probs need logits that are the output projection of the last hidden state
+        self._chunked = logits_chunk > 0 and head != "value" and self._logits_to_keep
+        self._chunked = self._chunked and head_is_linear(model, device)
+        if activation_checkpointing:
+            for layer in _decoder_layers(model):
+                _checkpoint(layer)
+        if self.lora is not None:
+            if head != "lm" or self.world > 1:
+                raise ValueError("LoRA trains a policy (head 'lm') on one trainer rank")
+            model = add_adapters(model, self.lora, frozen_dtype=self.compute_dtype)
         if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
+            shard = functools.partial(fully_shard, mesh=mesh, **_mixed_precision(self.compute_dtype))
             for layer in _decoder_layers(model):
-                fully_shard(layer, mesh=mesh)
+                shard(layer)
             if head == "lm+value":  # called outside the model's forward: its own unit
-                fully_shard(model.value_head, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                shard(model.value_head)
+            shard(model)
         self.model: Any = model
-        self._manifest = [(n, tuple(p.shape), DTYPE_NAMES[p.dtype]) for n, p in self._policy_parameters()]
+        self._manifest = [
+            (n, tuple(p.shape), DTYPE_NAMES[self._published(p.dtype)]) for n, p in self._policy_parameters()
+        ]
         # No dropout in RL (HF's classification heads default to 0.1): recomputed logprobs must match
         # inference's, and a critic's values must not depend on the random state. Gradients still flow.
         self.model.eval()
+        if self.lora is not None:
+            train_dropout(self.model)
         self.optim_cfg = optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters
             lr=optim.lr,
             betas=optim.betas,
             weight_decay=optim.weight_decay,
@@ -127,32 +161,57 @@ class FSDPEngine:
             dist.all_reduce(t)
         return t.tolist()
 
-    def forward_logprobs(
-        self, mb: TrainBatch, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logprobs [n, L-1] of the next tokens, entropy [n, L-1], logits [n, L-1, V]); logprobs and
-        entropy under logits / temperature."""
-        lp, ent, logits, _ = self._policy_forward(mb, temperature)
-        return lp, ent, logits
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _inputs(self, mb: TrainBatch) -> dict[str, torch.Tensor | None]:
+        """The model's inputs for `mb`: with position ids (samples packed into rows, `packing.py`) no
+        attention mask, so that transformers derives a block-diagonal one from the restarting positions."""
+        if mb.position_ids is not None:
+            return {"position_ids": mb.position_ids.to(self.device), "attention_mask": None}
+        return {"attention_mask": mb.attention_mask.to(self.device)}
+
+    def forward_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [n, L-1] of the next tokens, entropy [n, L-1]) under logits / temperature, at the
+        positions of `mb.mask` (0 elsewhere, unless the whole logits are computed)."""
+        lp, ent, _, _ = self._policy_forward(mb, temperature)
+        return lp, ent
 
     def _policy_forward(
-        self, mb: TrainBatch, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """forward_logprobs, plus the values [n, L-1] of the actor-critic's value head (else None) from
-        the same forward."""
+        self, mb: TrainBatch, temperature: float, *, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """forward_logprobs, plus the logits [n, L-1, V] when they were computed whole (else None:
+        computed whole for distillation, with logits_chunk 0, and for logits that are not a plain
+        projection of the last hidden state) and the values [n, L-1] of the actor-critic's value head
+        (else None), from one forward. `entropy_grad`: whether the loss differentiates the entropy
+        (whole logits only: the chunked head costs nothing for an unused one)."""
         ids = mb.input_ids.to(self.device)
-        attn = mb.attention_mask.to(self.device)
-        both = self.head == "lm+value"
-        out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=both)
-        logits = out.logits[:, :-1]
-        lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)
-        ent = entropy(logits, temperature=temperature)
-        values = self._head_values(out.hidden_states[-1]) if both else None
-        return lp, ent, logits, values
+        whole = bool(mb.teachers) or not self._chunked
+        few = {} if whole else {"logits_to_keep": 1}  # the last hidden state is all the chunks need
+        with self._autocast():
+            out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
+            hidden = out.hidden_states[-1][:, :-1]
+            values = self._head_values(hidden) if self.head == "lm+value" else None
+        if whole:
+            logits = out.logits[:, :-1]
+            lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ent = entropy(logits, temperature=temperature)
+            return lp, ent, logits, values
+        mask = mb.mask.to(self.device)
+        head = self.model.get_output_embeddings()
+        bias = None if head.bias is None else head.bias.to(self.compute_dtype)
+        lp, ent = head_logprobs(
+            hidden[mask].to(self.compute_dtype), head.weight.to(self.compute_dtype), ids[:, 1:][mask],
+            bias=bias, temperature=temperature, chunk=self.logits_chunk,
+        )  # fmt: skip
+        return _scatter(mask, lp), _scatter(mask, ent), None, values
 
     def _head_values(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.value_head
-        return head(hidden[:, :-1].to(_local(head.weight).dtype)).squeeze(-1).float()
+        return head(hidden.to(_local(head.weight).dtype)).squeeze(-1).float()
 
     def update_policy(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
         """Train on `batch` (this rank's share of a mini-batch) as `cfg` (a TrainerConfig) describes:
@@ -166,17 +225,13 @@ class FSDPEngine:
         Returns metrics averaged over epochs (timings summed); an epoch with a non-finite loss or
         gradient is skipped and counted in `nan_skipped`.
         """
-        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
-        chunks = list(order.split(cfg.micro_batch))
-        proximal = (
-            [self._proximal(batch.rows(c), cfg) for c in chunks] if cfg.off_policy == "decoupled" else []
-        )
-        results = [self._epoch(batch, chunks, proximal, cfg) for _ in range(cfg.epochs)]
-        out = merged(results)
-        return out
+        micro = _micro_batches(batch, cfg)
+        proximal = [self._proximal(mb, cfg) for mb in micro] if cfg.off_policy == "decoupled" else []
+        results = [self._epoch(batch, micro, proximal, cfg) for _ in range(cfg.epochs)]
+        return merged(results)
 
     def _epoch(
-        self, batch: TrainBatch, chunks: list[torch.Tensor], proximal: list[torch.Tensor], cfg: Any
+        self, batch: TrainBatch, micro: list[TrainBatch], proximal: list[torch.Tensor], cfg: Any
     ) -> dict[str, float]:
         """One optimizer step on `batch`, accumulating gradients over micro-batches (`PolicyObjective`)."""
         t0 = time.perf_counter()
@@ -188,15 +243,13 @@ class FSDPEngine:
             g_rows=g_rows, g_n=g_n,
         )  # fmt: skip
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
-        n_chunks = int(self._max([len(chunks)]))
+        n_chunks = int(self._max([len(micro)]))
         for k in range(n_chunks):
             if hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(k == n_chunks - 1)
-            mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
-            if k >= len(chunks):
-                mb.mask = torch.zeros_like(mb.mask)
+            mb = micro[k] if k < len(micro) else dataclasses.replace(micro[0], mask=micro[0].mask & False)
             mask = mb.mask.to(self.device)
-            forward = self._policy_forward(mb, self.temperature)
+            forward = self._policy_forward(mb, self.temperature, entropy_grad=cfg.entropy_coef > 0)
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
             objective.backward(mb, forward, prox, behaviour, mask)
@@ -217,12 +270,12 @@ class FSDPEngine:
     def forward_values(self, mb: TrainBatch) -> torch.Tensor:
         """Values [n, L-1]: position t is the value of the state that predicts token t+1."""
         ids = mb.input_ids.to(self.device)
-        attn = mb.attention_mask.to(self.device)
-        if self.head == "lm+value":  # the last hidden state; of the logits only one position
-            few = {"logits_to_keep": 1} if self._logits_to_keep else {}
-            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, **few)
-            return self._head_values(out.hidden_states[-1])
-        return self.model(input_ids=ids, attention_mask=attn).logits[:, :-1, 0].float()
+        with self._autocast():
+            if self.head == "lm+value":  # the last hidden state; of the logits only one position
+                few = {"logits_to_keep": 1} if self._logits_to_keep else {}
+                out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
+                return self._head_values(out.hidden_states[-1][:, :-1])
+            return self.model(input_ids=ids, **self._inputs(mb)).logits[:, :-1, 0].float()
 
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch, micro_batch: int) -> torch.Tensor:
@@ -317,12 +370,12 @@ class FSDPEngine:
             for p, old in zip(params, self._snapshot, strict=True):
                 _local(p).copy_(old)
             try:
-                lp, _, _ = self.forward_logprobs(mb, self.temperature)
+                lp, _ = self.forward_logprobs(mb, self.temperature)
             finally:
                 for p, now in zip(params, current, strict=True):
                     _local(p).copy_(now)
-        stale = mb.stale.to(self.device).unsqueeze(-1)
-        return torch.where(stale, lp.detach(), behaviour)
+        stale = mb.stale.to(self.device)  # per row, or per token once packed
+        return torch.where(stale if stale.dim() == 2 else stale[:, None], lp.detach(), behaviour)
 
     def _max(self, values: list[float]) -> float:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -334,7 +387,10 @@ class FSDPEngine:
     # weights and checkpoints
 
     def _policy_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters inference generates with (the actor-critic's value head is not one)."""
+        """The parameters inference generates with (the actor-critic's value head is not one; with LoRA,
+        the base's with the adapters merged in)."""
+        if self.lora is not None:
+            return list(merged_parameters(self.model))
         return [(n, p) for n, p in self.model.named_parameters() if not n.startswith("value_head.")]
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
@@ -344,15 +400,35 @@ class FSDPEngine:
     def get_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[torch.Tensor]:
         """Full tensors in manifest order (collective: every rank iterates it), gathered a bucket of
         parameters at a time (`gather.full_tensors`)."""
-        yield from full_tensors([p for _, p in self._policy_parameters()], self.world, bucket_bytes)
+        for t in full_tensors([p for _, p in self._policy_parameters()], self.world, bucket_bytes):
+            yield t.to(self._published(t.dtype))
+
+    def _published(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype inference receives a parameter of `dtype` in: the compute dtype's, under mixed precision."""
+        return self.compute_dtype if dtype == torch.float32 else dtype
 
     def save_pretrained(self, path: str, source: str | None = None) -> None:
         """A Hugging Face checkpoint that from_pretrained loads (collective; rank 0 writes), with what it
-        keeps of `source`, the model it was trained from (`checkpoints.carry_over`)."""
+        keeps of `source`, the model it was trained from (`checkpoints.carry_over`). With LoRA: the
+        adapter (PEFT's files, which name `source` as their base), and the merged model in `path`/merged
+        when `lora.save_merged`."""
+        if self.lora is not None:
+            self._save_adapter(path, source)
+            return
         critic = self.head == "value"
         checkpoints.save_pretrained(
             self.model, self.hf_config, path, critic=critic, rank=self.rank, source=source
         )
+
+    def _save_adapter(self, path: str, source: str | None) -> None:
+        assert self.lora is not None
+        self.model.peft_config[ADAPTER].base_model_name_or_path = source
+        self.model.save_pretrained(path)
+        if source is not None:
+            checkpoints.carry_over(source, path)
+        if self.lora.save_merged:
+            state = {n: t.detach().cpu() for n, t in merged_parameters(self.model)}
+            checkpoints.write_pretrained(state, self.hf_config, os.path.join(path, "merged"), source=source)
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and step count, sharded as trained (torch.distributed.checkpoint; collective).
@@ -384,6 +460,52 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     return []
+
+
+def _load(model_path: str, head: str, loader_kwargs: dict[str, Any] | None) -> Any:
+    """The HF model of `head`, in float32 whatever its checkpoint's dtype (the master weights: updates
+    in bf16 round small steps away; a critic's loader_kwargs may still choose), without a KV cache."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    kwargs = {"dtype": torch.float32, **(loader_kwargs or {})}
+    if head == "value":
+        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    model.config.use_cache = False
+    return model
+
+
+def _micro_batches(batch: TrainBatch, cfg: Any) -> list[TrainBatch]:
+    """`cfg.micro_batch` rows at a time, longest first (similar lengths pad little), or with
+    `cfg.max_tokens_per_micro_batch` samples packed into rows by tokens (`packing.token_micro_batches`)."""
+    if cfg.max_tokens_per_micro_batch:
+        return token_micro_batches(batch, cfg.max_tokens_per_micro_batch)
+    order = torch.argsort(batch.attention_mask.sum(1), descending=True)
+    return [batch.rows(c) for c in order.split(cfg.micro_batch)]
+
+
+def _checkpoint(layer: torch.nn.Module) -> None:
+    """Activation checkpointing of one decoder layer: its forward runs under torch.utils.checkpoint
+    (non-reentrant, so it composes with FSDP2's hooks around the layer, which stay outside). The
+    parameter names do not change, unlike with a checkpoint wrapper module. No RNG state is kept:
+    the engine trains in eval mode (no dropout), so the recomputation is deterministic anyway."""
+    forward = layer.forward
+    layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=False)
+
+
+def _mixed_precision(dtype: torch.dtype) -> dict[str, Any]:
+    """FSDP2's arguments for computing in `dtype` from float32 shards (gradients reduced in float32)."""
+    if dtype == torch.float32:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+
+
+def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[n, L-1] with `values` at the positions of `mask`, 0 elsewhere (differentiable)."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

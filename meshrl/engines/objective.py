@@ -66,19 +66,20 @@ class PolicyObjective:
     def backward(
         self,
         mb: TrainBatch,
-        forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+        forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
         proximal: torch.Tensor,
         behaviour: torch.Tensor,
         mask: torch.Tensor,
     ) -> None:
         """Backpropagate the loss of micro-batch `mb` and add its metrics. `forward`: the engine's
-        (logprobs, entropy, logits, values or None) of it; `mask` its tokens on the engine's device."""
+        (logprobs, entropy, logits or None, values or None) of it; `mask` its tokens on the engine's
+        device. The entropy enters the loss only with a coefficient: a metric needs no gradient."""
         cfg, sums, tokens = self.cfg, self.sums, max(self.g_tokens, 1.0)
         lp, ent, logits, values = forward
         advantages = mb.advantages.to(self.device)
         out = policy_loss(lp, proximal, behaviour, advantages, mask, cfg, self.normalizer, self.g_rows)
         ent_term = aggregate(ent, mask, cfg.loss_agg, self.normalizer)
-        loss = out.loss - cfg.entropy_coef * ent_term
+        loss = out.loss - cfg.entropy_coef * ent_term if cfg.entropy_coef > 0 else out.loss
         if mb.ref_logprobs is not None:
             kl_ref = kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator)
             kl_term = aggregate(kl_ref, mask, cfg.loss_agg, self.normalizer)
@@ -91,6 +92,7 @@ class PolicyObjective:
             for key, share in v_sums.items():
                 sums[key] += share
         for name, teacher in mb.teachers.items():
+            assert logits is not None, "distillation needs the whole logits (the engine computes them)"
             loss = self._distill(loss, name, teacher, lp, logits, mask)
         loss.backward()
         weight = float(mask.sum()) / tokens

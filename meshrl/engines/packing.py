@@ -1,6 +1,7 @@
 """Rows packed for training: prompt + response token ids right-padded into one batch, with every
 per-response-token column (behaviour logprobs, advantages, reference logprobs, values, returns, the
-teachers' top-k) aligned to the positions that predict those tokens."""
+teachers' top-k) aligned to the positions that predict those tokens (`pack`); and micro-batches filled
+by tokens, several samples to a row (`token_micro_batches`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class TrainBatch:
     # per teacher (column prefix): top-k ids [n, L-1, k], top-k logprobs [n, L-1, k], sampled-token
     # logprobs [n, L-1]
     teachers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    position_ids: torch.Tensor | None = None  # [n, L] when several samples share a row (restarting at 0)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -47,6 +49,7 @@ class TrainBatch:
             values=pick(self.values),
             returns=pick(self.returns),
             teachers={k: tuple(pick(t) for t in v) for k, v in self.teachers.items()},  # type: ignore[misc]
+            position_ids=None if self.position_ids is None else self.position_ids[index][:, :width],
         )
 
 
@@ -113,3 +116,74 @@ def _positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor
     first = torch.cumsum(lengths, 0) - lengths
     cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first - start, lengths)
     return rows, cols
+
+
+def token_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
+    """`batch` as micro-batches of at most `max_tokens` tokens (at least one row), samples packed into rows.
+
+    Rows are as wide as the longest sample, so attention costs what it costs unpacked; samples go into
+    them longest first, each into the first row with room (first-fit decreasing), and a micro-batch
+    takes as many rows as `max_tokens` holds. Every sample's position ids restart at 0 and the model
+    gets no attention mask: transformers derives a block-diagonal causal mask from the positions (sdpa,
+    eager) or cuts the rows into variable-length sequences (flash attention), so no token attends
+    across samples. Per-token columns follow their tokens; per-row ones (outcome advantages, staleness)
+    are spread over them; the position where one sample's last token would predict the next sample's
+    first is masked. The loss sees the same tokens with the same values: its normalisation is unchanged.
+    """
+    lengths = batch.attention_mask.sum(1).tolist()
+    width = max(lengths)
+    rows = _first_fit(lengths, width)
+    per = max(1, max_tokens // width)
+    return [_packed_rows(batch, rows[i : i + per], lengths) for i in range(0, len(rows), per)]
+
+
+def _first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in rows of at most `capacity`, longest first, each in the first that fits."""
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, f in enumerate(fill) if f + lengths[i] <= capacity), len(rows))
+        if r == len(rows):
+            rows.append([])
+            fill.append(0)
+        rows[r].append(i)
+        fill[r] += lengths[i]
+    return rows
+
+
+def _packed_rows(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -> TrainBatch:
+    """The samples `rows` of `batch` laid end to end, one list per row, right-padded."""
+    width = max(sum(lengths[i] for i in r) for r in rows)
+    src = torch.full((len(rows), width), -1)  # sample of each token (-1: padding)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)  # its position in the sample
+    for r, samples in enumerate(rows):
+        start = 0
+        for i in samples:
+            src[r, start : start + lengths[i]] = i
+            pos[r, start : start + lengths[i]] = torch.arange(lengths[i])
+            start += lengths[i]
+        pos[r, start:] = torch.arange(width - start)  # padding: a sequence of its own
+    real = src >= 0
+    sample, col = src.clamp_min(0), pos.clamp(max=batch.input_ids.shape[1] - 2)
+    predicts = real[:, :-1] & (src[:, :-1] == src[:, 1:])  # position t predicts a token of its sample
+
+    def tokens(x: torch.Tensor | None) -> Any:
+        if x is None:
+            return None
+        picked = x[sample[:, :-1]] if x.dim() == 1 else x[sample[:, :-1], col[:, :-1]]
+        keep = predicts.view(*predicts.shape, *([1] * (picked.dim() - 2)))
+        return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype))
+
+    return TrainBatch(
+        input_ids=torch.where(real, batch.input_ids[sample, pos.clamp(max=batch.input_ids.shape[1] - 1)], 0),
+        attention_mask=real.long(),
+        mask=tokens(batch.mask),
+        old_logprobs=tokens(batch.old_logprobs),
+        advantages=tokens(batch.advantages),
+        ref_logprobs=tokens(batch.ref_logprobs),
+        stale=tokens(batch.stale),
+        values=tokens(batch.values),
+        returns=tokens(batch.returns),
+        teachers={k: tuple(tokens(t) for t in v) for k, v in batch.teachers.items()},
+        position_ids=pos,
+    )

@@ -35,6 +35,7 @@ from meshrl.engines.base import (
     InferenceEngine,
     SamplingParams,
     check_token_ids,
+    dtype_name,
 )
 from meshrl.engines.served import ModelFacts, request_seeds
 
@@ -67,11 +68,10 @@ class SGLangEngine(InferenceEngine):
         self.facts = ModelFacts.of(model_path)
         import sglang
 
-        dtype = str((loader_kwargs or {}).get("torch_dtype", (loader_kwargs or {}).get("dtype", "auto")))
         self.engine = sglang.Engine(
             model_path=model_path,
             skip_tokenizer_init=True,
-            dtype=dtype.replace("torch.", ""),
+            dtype=dtype_name(loader_kwargs, "auto"),
             base_gpu_id=dev.index or 0,
             max_running_requests=max_batch_size,
             context_length=max_model_len,

@@ -41,6 +41,7 @@ from meshrl.engines.base import (
     InferenceEngine,
     SamplingParams,
     check_token_ids,
+    dtype_name,
 )
 from meshrl.engines.served import ModelFacts, request_seeds
 
@@ -94,7 +95,7 @@ class VLLMEngine(InferenceEngine):
             model=model_path,
             skip_tokenizer_init=True,
             enforce_eager=True,
-            dtype=str((loader_kwargs or {}).get("torch_dtype", "float32")).replace("torch.", ""),
+            dtype=dtype_name(loader_kwargs, "float32"),
             max_model_len=max_model_len,
             max_num_seqs=max_batch_size,
             logprobs_mode="processed_logprobs",

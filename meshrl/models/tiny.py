@@ -64,7 +64,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
     "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<eos>"
-    "{% else %}{{ raise_exception('the tiny chat template knows only user and assistant roles') }}"
+    "{% elif message['role'] == 'system' %}{{ message['content'] }} "
+    "{% else %}{{ raise_exception('the tiny chat template knows only system, user and assistant roles') }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

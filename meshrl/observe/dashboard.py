@@ -125,7 +125,7 @@ def state(run_dir: Path, live: Live) -> dict[str, Any]:
         "name": config.get("name", run_dir.name),
         "total_steps": config.get("total_steps"),
         "alive": alive(run_dir),
-        "metrics": read_rows(run_dir / "metrics.jsonl"),
+        "metrics": with_rewards(read_rows(run_dir / "metrics.jsonl"), read_rows(run_dir / "rewards.jsonl")),
         "eval": read_rows(run_dir / "eval.jsonl"),
         "critic": read_rows(run_dir / "critic.jsonl"),
         "samples": read_rows(run_dir / "samples.jsonl")[-SAMPLES_SHOWN:],
@@ -133,6 +133,12 @@ def state(run_dir: Path, live: Live) -> dict[str, Any]:
         **live.snapshot(),
         "topology": _services(run_dir),
     }
+
+
+def with_rewards(metrics: list[dict[str, Any]], rewards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trainer's rows with rollout's mean of each reward function of the same step (reward/<fn>)."""
+    by_step = {r.get("step"): r for r in rewards}
+    return [{**by_step.get(m.get("step"), {}), **m} for m in metrics]
 
 
 def _services(run_dir: Path) -> list[str]:

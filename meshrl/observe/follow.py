@@ -29,7 +29,12 @@ from meshrl.observe.trackers import Ids, Tracker, open_trackers
 
 log = logging.getLogger("meshrl.follow")
 
-SOURCES = {"metrics.jsonl": "train", "eval.jsonl": "eval", "critic.jsonl": "critic"}
+SOURCES = {
+    "metrics.jsonl": "train",
+    "rewards.jsonl": "train",  # rollout's mean of each reward function: train/reward/<function>
+    "eval.jsonl": "eval",
+    "critic.jsonl": "critic",
+}
 """Files of scalar rows and the prefix of their names in a tracker (train/reward_mean, ...)."""
 SAMPLES = "samples.jsonl"
 PROBE_S = 5.0

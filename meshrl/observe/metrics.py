@@ -1,7 +1,8 @@
 """Metrics by name: every metric a service reports is listed here once, with how values of it combine.
 
 - `CATALOGUE` names each metric, how several values of it combine (mean, sum, max or standard
-  deviation) and what it means. A name with `{teacher}` stands for one per teacher column prefix.
+  deviation) and what it means. A name with `{teacher}` stands for one per teacher column prefix, `{function}` for one per reward
+  function.
 - `Metrics` collects values by name (numbers, or tensors of per-sample values) and reduces them: on one
   process, and across the ranks of a process group by key, with one all-reduce per kind of reduction.
   The trainer reduces each step's per-sample summaries and its mini-batches' update statistics; the
@@ -105,10 +106,14 @@ CATALOGUE: dict[str, Metric] = {
     "greedy_accuracy": Metric(M, "mean reward of greedy completions of the held-out prompts"),
     "sampled_accuracy": Metric(M, "mean reward of sampled completions of the held-out prompts"),
     "prompts": Metric(S, "held-out prompts evaluated"),
+    # reward functions (rollout: rewards.jsonl per step's worth of scored samples, and eval.jsonl)
+    "reward/{function}": Metric(
+        M, "mean value of one reward function over the samples it applied to (None: not applicable)"
+    ),
 }
 
 _FAMILIES = [
-    (re.compile("^" + re.escape(name).replace(r"\{teacher\}", "[a-z][a-z0-9_]*") + "$"), metric)
+    (re.compile("^" + re.sub(r"\\\{[a-z]+\\\}", "[A-Za-z_][A-Za-z0-9_]*", re.escape(name)) + "$"), metric)
     for name, metric in CATALOGUE.items()
     if "{" in name
 ]

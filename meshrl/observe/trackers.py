@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -189,6 +190,11 @@ class Wandb:
         self.run.finish()
 
 
+def _mlflow_key(name: str) -> str:
+    """MLflow allows letters, digits and _-. :/ in a metric's name: eval/pass@4 becomes eval/pass_4."""
+    return re.sub(r"[^\w\-. :/]", "_", name)
+
+
 def _netrc_has(host: str) -> bool:
     import netrc
 
@@ -223,7 +229,9 @@ class Mlflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key=k, value=float(v), timestamp=now, step=step) for k, v in values.items()]
+        metrics = [
+            Metric(key=_mlflow_key(k), value=float(v), timestamp=now, step=step) for k, v in values.items()
+        ]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:

@@ -7,6 +7,7 @@
 - `topology.py`  `plan()`: who runs where, on which ports (a pure function every launcher calls).
 
 `prepare` is what a command calls: it reports every problem at once, the overrides' and the plan's.
+Models named by hub id or GGUF file are found on disk first (meshrl/models/hub.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ def prepare(
     """Load a recipe file, apply `overrides` and plan it on `devices` (None: the devices it needs, on
     this host). Raises one RecipeError listing every bad override and every problem of the plan (a
     recipe with an invalid override is planned without it, so its other problems show too)."""
+    from meshrl.models.hub import resolve_models
+
     recipe, problems = apply_overrides(read_recipe(path), overrides)
+    recipe = resolve_models(recipe)  # hub ids and GGUF files become local folders, before the checks
     if devices is None:
         from meshrl.dataplane.wire import host_id
 

@@ -56,6 +56,8 @@ class ServiceConfig(Config):
     over the state its predecessor wrote ahead of every change (rollout). Under an on-failure policy
     its launcher restarts just that process, outside colocation rings; any other failure restarts the
     whole run from a checkpoint."""
+    moved: ClassVar[dict[str, str]] = {}
+    """Fields that are gone, by old name: what to write instead (an override naming one says so)."""
 
     def reads(self) -> Columns:
         """Columns this service consumes, per partition."""

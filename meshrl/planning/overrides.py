@@ -48,6 +48,9 @@ def _override(obj: Any, path: list[str], value: str, full: str) -> Any:
     if head not in by_name:
         if head in RECIPE_WIDE:
             raise RecipeError([_moved(head, value, full)])
+        instead = getattr(type(obj), "moved", {}).get(head)
+        if instead is not None:
+            raise RecipeError([f"override {full!r}: {head} has moved: set {instead}"])
         raise RecipeError([f"override {full!r}: {type(obj).__name__} has no field {head!r} ({_keys(obj)})"])
     if rest:
         return dataclasses.replace(obj, **{head: _override(getattr(obj, head), rest, value, full)})  # type: ignore[type-var]

@@ -264,8 +264,10 @@ def _call(fn: Any, path: Path) -> Any:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Run a recipe file's `recipe()` and apply overrides."""
-    return read_recipe(path).with_overrides(overrides or [])
+    """Run a recipe file's `recipe()`, apply overrides, and find its models on disk (hub ids, GGUF)."""
+    from meshrl.models.hub import resolve_models
+
+    return resolve_models(read_recipe(path).with_overrides(overrides or []))
 
 
 def service_class(config: ServiceConfig) -> type:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrl.columns import PROMPT, RESPONSE, SAMPLES
+from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class ScorerConfig(ServiceConfig):
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         problems = []
         if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist")
+            problems.append(missing(self.model))
         if group.devices_per_replica > 1:
             problems.append("devices_per_replica: a scoring replica runs on one device (add replicas)")
         return problems

@@ -60,14 +60,17 @@ class WeightLink:
         self.pool.shutdown()
 
 
-def check_versions(engine, arith_model, publish, device: str = "cpu", tolerance: float = 1e-5) -> None:
+def check_versions(
+    engine, arith_model, publish, device: str = "cpu", tolerance: float = 1e-5, **trainer_kw
+) -> None:
+    """`trainer_kw`: the trainer engine's settings (precision, lora)."""
     from meshrl.engines.base import SamplingParams
     from meshrl.engines.fsdp import FSDPEngine
     from meshrl.engines.optim import OptimConfig
     from meshrl.engines.packing import pack
     from meshrl.roles.trainer.config import TrainerConfig
 
-    trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device))
+    trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device), **trainer_kw)
     cfg = TrainerConfig(model=str(arith_model), micro_batch=16)
     g = torch.Generator().manual_seed(0)
     prompts = [[int(t) for t in torch.randint(4, 16, (int(n),), generator=g)] for n in (3, 5, 2, 7, 4, 6)]
@@ -85,7 +88,7 @@ def check_versions(engine, arith_model, publish, device: str = "cpu", tolerance:
         packed = pack([torch.tensor(p) for p in prompts], [torch.tensor(c.tokens) for c in out], None,
                       torch.zeros(len(out)), torch.ones(len(out), dtype=torch.bool))  # fmt: skip
         with torch.no_grad():
-            lp, _, _ = trainer.forward_logprobs(packed, 1.0)
+            lp, _ = trainer.forward_logprobs(packed, 1.0)
         mine = torch.cat([torch.tensor(c.logprobs) for c in out])
         theirs = lp[packed.mask]
         assert (mine - theirs.cpu()).abs().max() < tolerance, (version, (mine - theirs.cpu()).abs().max())

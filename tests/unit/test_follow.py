@@ -95,3 +95,14 @@ def test_progress_is_one_line_on_a_terminal_and_every_tenth_step_elsewhere():
         "[meshrl] step 10/40  reward 0.500  loss 0.2500  100.0 samples/s  ETA 1m00s",
         "[meshrl] step 20/40  reward 0.500  loss 0.2500  100.0 samples/s  ETA 0m40s",
     ]
+
+
+def test_each_reward_functions_mean_joins_its_step_for_the_dashboard():
+    from meshrl.observe.dashboard import with_rewards
+    from meshrl.observe.follow import SOURCES
+
+    metrics = [{"step": 0, "reward_mean": 0.5}, {"step": 1, "reward_mean": 0.7}]
+    rewards = [{"step": 1, "scored": 32, "reward/math_answer": 0.25}]
+    joined = with_rewards(metrics, rewards)
+    assert joined == [metrics[0], {"step": 1, "reward_mean": 0.7, "scored": 32, "reward/math_answer": 0.25}]
+    assert SOURCES["rewards.jsonl"] == "train"  # trackers: train/reward/math_answer

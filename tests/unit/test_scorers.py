@@ -67,7 +67,8 @@ def test_reward_model_scores_match_unpadded_rows(tmp_path):
 def test_teacher_topk_matches_the_model_row_by_row(tiny_model, streamed):
     from transformers import AutoModelForCausalLM
 
-    from meshrl.roles.teacher.service import TopK, head_is_linear
+    from meshrl.algorithms.chunked import head_is_linear
+    from meshrl.roles.teacher.service import TopK
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     assert head_is_linear(model)

@@ -74,8 +74,10 @@ def test_chat_template(tok) -> None:
     prompt = tok.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|user|>1+2=<|assistant|>"
     assert tok.apply_chat_template(conversation[:1], tokenize=False) == "<|user|>1+2="
-    with pytest.raises(Exception, match="user and assistant"):
-        tok.apply_chat_template([{"role": "system", "content": "x"}], tokenize=False)
+    system = [{"role": "system", "content": "be brief."}, *conversation[:1]]
+    assert tok.apply_chat_template(system, tokenize=False) == "be brief. <|user|>1+2="
+    with pytest.raises(Exception, match="system, user and assistant"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
 def test_model_size_and_config(built: Path) -> None:

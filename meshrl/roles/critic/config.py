@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrl.columns import CHECKPOINT_ACKS, PROMPT, RESPONSE, RETURNS, SAMPLES, STEP, VALID, VALUES
+from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles.trainer.config import Schedule
 
@@ -74,7 +75,7 @@ class CriticConfig(ServiceConfig):
 
         problems = []
         if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist")
+            problems.append(missing(self.model))
         if group.replicas != 1 or group.devices_per_replica > 1:
             problems.append("replicas/devices_per_replica: the critic runs as one replica on one device")
         if recipe.batch_size % self.mini_batches:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from meshrl.columns import EVAL, GENERATED, PROMPT, SAMPLES, TURNS
+from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class InferenceConfig(ServiceConfig):
         if self.engine == "hf" and group.devices_per_replica > 1:
             problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
         if not Path(self.model).exists():
-            problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
+            problems.append(missing(self.model))
         if self.engine in ("vllm", "sglang"):
             from meshrl.engines import sglang, vllm
 

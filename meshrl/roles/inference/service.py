@@ -98,46 +98,12 @@ class InferenceService(Service):
         return cfg
 
     def build_engine(self) -> InferenceEngine:
-        cfg = self.config
-        if cfg.engine == "sim":
-            from meshrl.engines.sim import SimInferenceEngine
-
-            return SimInferenceEngine(cfg.sim, seed=self.ctx.recipe.seed * 7919 + self.ctx.replica.index)
-        if cfg.engine == "vllm":
-            from meshrl.engines.vllm import VLLMEngine
-
-            return VLLMEngine(
-                cfg.model,
-                device=str(self.ctx.device),
-                loader_kwargs=cfg.loader_kwargs,
-                max_batch_size=cfg.max_batch,
-                max_model_len=cfg.vllm.max_model_len,
-                kv_cache_gb=cfg.vllm.kv_cache_gb,
-                threads=cfg.threads,
-                work_dir=str(self.ctx.run_dir / "vllm" / self.ctx.name),
-                seed=self.ctx.recipe.seed,
-            )
-        if cfg.engine == "sglang":
-            from meshrl.engines.sglang import SGLangEngine
-
-            return SGLangEngine(
-                cfg.model,
-                device=str(self.ctx.device),
-                loader_kwargs=cfg.loader_kwargs,
-                max_batch_size=cfg.max_batch,
-                max_model_len=cfg.sglang.max_model_len,
-                mem_fraction=cfg.sglang.mem_fraction,
-                seed=self.ctx.recipe.seed,
-            )
-        from meshrl.engines.hf import HFEngine
-
-        return HFEngine(
-            cfg.model,
-            device=str(self.ctx.device),
-            loader_kwargs=cfg.loader_kwargs,
-            max_batch_size=cfg.max_batch,
+        ctx = self.ctx
+        return build_engine(
+            self.config, device=str(ctx.device), seed=ctx.recipe.seed, replica=ctx.replica.index,
+            work_dir=str(ctx.run_dir / "vllm" / ctx.name),
             model=None if self.trainer is None else self.trainer.engine.model,
-        )
+        )  # fmt: skip
 
     def run(self) -> None:
         asyncio.run(self.serve())
@@ -366,7 +332,7 @@ class InferenceService(Service):
                 )
             else:  # a trajectory's turns differ by their number
                 key = (0, int(groups[i]), int(batch.meta_of("turn", 0)[i] or 0))
-            seeds.append(hash((self.ctx.recipe.seed, *key, int(members[i] or 0))) % 2**63)
+            seeds.append(row_seed(self.ctx.recipe.seed, key, int(members[i] or 0)))
         return seeds
 
     def newer_than(self, version: int) -> bool:
@@ -460,3 +426,46 @@ class InferenceService(Service):
 def _stage(into: list[tuple[str, torch.Tensor]], named: list[tuple[str, torch.Tensor]]) -> None:
     """Keep a copy of a received bucket (its buffer is reused by the next one)."""
     into.extend((name, t.clone()) for name, t in named)
+
+
+def row_seed(recipe_seed: int, key: tuple[int, int, int], member: int) -> int:
+    """The sampling seed of one row: (0, group, 0) for training rows, (1, version, prompt) for
+    evaluation rows (`meshrl eval` samples with the same seeds as the run's evaluation at version 0)."""
+    return hash((recipe_seed, *key, member)) % 2**63
+
+
+def build_engine(
+    cfg: InferenceConfig,
+    *,
+    device: str,
+    seed: int,
+    replica: int = 0,
+    work_dir: str | None = None,
+    model: Any = None,
+) -> InferenceEngine:
+    """The engine `cfg` names, on `device` (`model`: a trainer's live model to generate with, in a
+    hybrid ring). Shared by the inference service and `meshrl eval`, so both generate alike."""
+    if cfg.engine == "sim":
+        from meshrl.engines.sim import SimInferenceEngine
+
+        return SimInferenceEngine(cfg.sim, seed=seed * 7919 + replica)
+    if cfg.engine == "vllm":
+        from meshrl.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            cfg.model, device=device, loader_kwargs=cfg.loader_kwargs, max_batch_size=cfg.max_batch,
+            max_model_len=cfg.vllm.max_model_len, kv_cache_gb=cfg.vllm.kv_cache_gb, threads=cfg.threads,
+            work_dir=work_dir, seed=seed,
+        )  # fmt: skip
+    if cfg.engine == "sglang":
+        from meshrl.engines.sglang import SGLangEngine
+
+        return SGLangEngine(
+            cfg.model, device=device, loader_kwargs=cfg.loader_kwargs, max_batch_size=cfg.max_batch,
+            max_model_len=cfg.sglang.max_model_len, mem_fraction=cfg.sglang.mem_fraction, seed=seed,
+        )  # fmt: skip
+    from meshrl.engines.hf import HFEngine
+
+    return HFEngine(
+        cfg.model, device=device, loader_kwargs=cfg.loader_kwargs, max_batch_size=cfg.max_batch, model=model
+    )

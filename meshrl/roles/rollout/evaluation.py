@@ -3,15 +3,17 @@
 At version 0, every `eval_every` versions and at the final version, rollout writes each held-out prompt
 into the `eval` partition once for a greedy completion and `eval_samples` times for sampled ones, all
 tagged with that version (inference generates them with exactly it). When every row of a version is
-back, its greedy and sampled accuracy (the mean rule reward) is appended to <run_dir>/eval.jsonl.
+back, its greedy and sampled accuracy (the mean reward), pass@k and each reward function's mean are
+appended to <run_dir>/eval.jsonl (`summarize`, which `meshrl eval` shares).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -21,7 +23,8 @@ from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
 from meshrl.observe.metrics import JsonlSink, Metrics
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.state import RolloutState
+from meshrl.roles.rollout.rewards import Scored
+from meshrl.roles.rollout.state import EvalResult, RolloutState
 from meshrl.runtime.service import WATCH_S
 from meshrl.state.checkpoint import Pause
 
@@ -35,7 +38,7 @@ class Evaluation:
         state: RolloutState,
         rows: list[dict[str, Any]],
         encode: Callable[[dict[str, Any]], torch.Tensor],
-        rewards: Callable[[Batch, list[dict[str, Any]]], tuple[torch.Tensor, torch.Tensor]],
+        rewards: Callable[[Batch, list[dict[str, Any]]], Awaitable[Scored]],
         sink: JsonlSink,
     ) -> None:
         self.cfg, self.state, self.rows, self.encode, self.rewards = cfg, state, rows, encode, rewards
@@ -79,15 +82,13 @@ class Evaluation:
     async def collect(self, client: AsyncClient, batch: Batch, persist: Callable[[], None]) -> bool:
         """Count the rows, record the evaluations they complete, persist, delete, acknowledge."""
         st = self.state
-        rewards, valid = self.rewards(batch, self.rows)
         ids = batch.ids.tolist()
-        for rid, version, greedy, r, ok in zip(
-            ids, batch.meta_of("eval_version"), batch.meta_of("greedy"), rewards.tolist(), valid.tolist(),
-            strict=True,
-        ):  # fmt: skip
+        for rid, version, result in zip(
+            ids, batch.meta_of("eval_version"), await results(self.rewards, batch, self.rows), strict=True
+        ):
             if rid in st.replay_eval:  # a predecessor counted it
                 continue
-            st.eval_results[version].append((bool(greedy), r if ok else 0.0))
+            st.eval_results[version].append(result)
             st.eval_pending[version] -= 1
         st.handling_eval = set(ids)
         st.replay_eval -= st.handling_eval
@@ -101,22 +102,11 @@ class Evaluation:
         st.handling_eval = set()
         return bool(complete)
 
-    def record(self, version: int, results: list[tuple[bool, float]]) -> None:
+    def record(self, version: int, results: list[EvalResult]) -> None:
         if version in self.recorded:  # by a predecessor that died before its state said so
             return
         self.recorded.add(version)
-        m = Metrics()
-        for greedy, reward in results:
-            m.add("greedy_accuracy" if greedy else "sampled_accuracy", reward)
-            m.add("prompts", float(greedy))
-        values = m.reduce()
-        row = {
-            "version": version,
-            "greedy_accuracy": values.get("greedy_accuracy", 0.0),
-            "sampled_accuracy": values.get("sampled_accuracy", 0.0),
-            "prompts": int(values.get("prompts", 0)),
-            "time": time.time(),
-        }
+        row = {"version": version, **summarize(results), "time": time.time()}
         log.info("eval at version %d: %s", version, row)
         self.sink.write(row)
 
@@ -128,3 +118,49 @@ class Evaluation:
 
     def lines(self) -> int:
         return len(self.path.read_text().splitlines()) if self.path.exists() else 0
+
+
+async def results(
+    rewards: Callable[[Batch, list[dict[str, Any]]], Awaitable[Scored]],
+    batch: Batch,
+    rows: list[dict[str, Any]],
+) -> list[EvalResult]:
+    """Each evaluation row's result (a sample whose reward failed counts as reward 0)."""
+    scored = await rewards(batch, rows)
+    per_sample: list[dict[str, float]] = [{} for _ in range(len(batch))]
+    for name, values in scored.applied.items():
+        for i, v in values.items():
+            per_sample[i][name] = v
+    return [
+        (bool(greedy), r if ok else 0.0, int(pid), f)
+        for greedy, pid, r, ok, f in zip(
+            batch.meta_of("greedy"), batch.meta_of("prompt_id"), scored.total.tolist(), scored.valid.tolist(),
+            per_sample, strict=True,
+        )
+    ]  # fmt: skip
+
+
+def summarize(results: list[EvalResult]) -> dict[str, float]:
+    """An evaluation's line: greedy and sampled accuracy (mean reward), pass@k (the share of prompts
+    with a sampled completion of reward >= 1, a correct answer under a 0/1 reward of weight 1), and
+    each reward function's mean over the greedy completions it applied to."""
+    m = Metrics()
+    best: dict[int, float] = {}
+    for greedy, reward, prompt, functions in results:
+        m.add("greedy_accuracy" if greedy else "sampled_accuracy", reward)
+        m.add("prompts", float(greedy))
+        if greedy:
+            for name, value in functions.items():
+                m.add(f"reward/{name}", value)
+        else:
+            best[prompt] = max(best.get(prompt, -math.inf), reward)
+    values = m.reduce()
+    k = sum(not g for g, *_ in results) // max(len(best), 1)
+    out = {
+        "greedy_accuracy": values.pop("greedy_accuracy", 0.0),
+        "sampled_accuracy": values.pop("sampled_accuracy", 0.0),
+        "prompts": int(values.pop("prompts", 0)),
+    }
+    if best:
+        out[f"pass@{k}"] = sum(b >= 1.0 for b in best.values()) / len(best)
+    return {**out, **values}

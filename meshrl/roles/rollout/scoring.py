@@ -1,15 +1,15 @@
 """Rollout's second job: score completed groups and write their advantages.
 
 Rollout claims whole groups of `samples` once every column its reward and advantage need is there,
-computes the reward trained on (weighted rule reward + weighted reward-model score + DAPO's overlong
-penalty, minus an optional KL(behaviour || reference) penalty) and the advantages, and writes `reward`,
+computes the reward trained on (the reward functions' weighted sum, `rewards.py`, + weighted
+reward-model score + DAPO's overlong penalty, minus an optional KL(behaviour || reference) penalty) and the advantages, and writes `reward`,
 `advantage`, `valid` (+ `returns` for GAE from a critic; `token_rewards` instead for the trainer's value
 head) into the same rows. Estimators normalised over the batch (REINFORCE++, whitened GAE) score a
 whole batch at once, so their statistics do not depend on which groups happened to be ready together.
 
 DAPO's dynamic sampling deletes groups whose rewards all agree and hands their places back to the
 feed, with the same `min_version`. A reward function that raises marks that sample failed (valid =
-False, excluded from the loss); more than `max_failed_fraction` failures, or dynamic sampling that
+False, excluded from the loss); each function's mean goes to <run_dir>/rewards.jsonl; more than `max_failed_fraction` failures, or dynamic sampling that
 drops more than `max_filtered_fraction` of the groups, stop the run.
 """
 
@@ -39,9 +39,10 @@ from meshrl.columns import (
     VALUES,
 )
 from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.observe.metrics import Metrics, Sink
 from meshrl.planning.recipe import Recipe
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.data import RewardFn, rule_rewards
+from meshrl.roles.rollout.rewards import RewardFunction, Scored, completions, score
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime.service import WATCH_S
@@ -51,20 +52,23 @@ log = logging.getLogger("meshrl.rollout")
 
 
 class Rewards:
-    """The rule reward of completions (also what evaluation measures); the first failure is kept."""
+    """The reward functions on a batch's completions (also what evaluation measures); the first
+    failure is kept and logged."""
 
-    def __init__(self, tokenizer: Any, reward_fn: RewardFn | None, prompt_field: str) -> None:
-        self.tokenizer, self.reward_fn, self.prompt_field = tokenizer, reward_fn, prompt_field
+    def __init__(self, tokenizer: Any, functions: list[RewardFunction], prompt_field: str) -> None:
+        self.tokenizer, self.functions, self.prompt_field = tokenizer, functions, prompt_field
         self.first_failure: str | None = None
 
-    def __call__(self, batch: Batch, rows: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.reward_fn is None:  # no rule: evaluation has nothing to measure
-            return torch.zeros(len(batch), dtype=torch.float32), torch.ones(len(batch), dtype=torch.bool)
-        reward, valid, failure = rule_rewards(self.tokenizer, self.reward_fn, self.prompt_field, batch, rows)
-        if failure is not None and self.first_failure is None:
-            self.first_failure = failure
-            log.error("reward function failed %s", failure)
-        return reward, valid
+    async def __call__(self, batch: Batch, rows: list[dict[str, Any]]) -> Scored:
+        picked = [rows[int(pid)] for pid in batch.meta_of("prompt_id")]
+        prompts = [r[self.prompt_field] for r in picked]
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        texts = completions(self.tokenizer, batch, conversational)
+        scored = await score(self.functions, prompts, texts, picked, self.prompt_field)
+        if scored.failure is not None and self.first_failure is None:
+            self.first_failure = scored.failure
+            log.error("reward function failed: %s", scored.failure)
+        return scored
 
 
 class Scoring:
@@ -76,8 +80,10 @@ class Scoring:
         rewards: Rewards,
         rows: list[dict[str, Any]],
         on_refill: Callable[[], None],
+        sink: Sink,
     ) -> None:
         self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
+        self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
         self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
         self.kl = AdaptiveKL(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
         self.kl_measured = 0.0
@@ -107,7 +113,7 @@ class Scoring:
         """Count, persist, then write the columns of the kept rows, delete the dropped ones, acknowledge.
         Returns whether dynamic sampling dropped groups."""
         st = self.state
-        reward, valid = self.total_rewards(batch)
+        reward, valid = await self.total_rewards(batch)
         groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
         keep = torch.ones(len(batch), dtype=torch.bool)
         if self.cfg.dynamic_sampling:
@@ -164,19 +170,18 @@ class Scoring:
                 f"{cfg.max_failed_fraction}); first failure:\n{self.rewards.first_failure}"
             )
 
-    def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reward trained on: weighted rule reward + weighted reward-model score + overlong penalty."""
+    async def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward trained on: the reward functions' weighted sum + weighted reward-model score +
+        overlong penalty."""
         cfg = self.cfg
-        reward = torch.zeros(len(batch), dtype=torch.float32)
-        valid = torch.ones(len(batch), dtype=torch.bool)
-        if cfg.reward_weight > 0:
-            rule, valid = self.rewards(batch, self.rows)
-            reward += cfg.reward_weight * rule
+        scored = await self.rewards(batch, self.rows)
+        self.log_functions(scored, len(batch))
+        reward, valid = scored.total.clone(), scored.valid
         if cfg.rm_weight > 0:
             reward += cfg.rm_weight * batch.tensor(RM_SCORE).float()
         if cfg.env_weight > 0:  # NaN: the environment failed on that trajectory
             env = batch.tensor(ENV_REWARD).float()
-            valid &= env.isfinite()
+            valid = valid & env.isfinite()
             reward += cfg.env_weight * env.nan_to_num(0.0)
         if cfg.overlong_max_len is not None:
             lengths = batch.ragged(RESPONSE).lengths
@@ -187,6 +192,19 @@ class Scoring:
                 penalty=cfg.overlong_penalty,
             )
         return reward, valid
+
+    def log_functions(self, scored: Scored, n: int) -> None:
+        """Each reward function's mean into rewards.jsonl, a row per `batch_size` samples scored."""
+        for name, values in scored.applied.items():
+            if values:
+                self.metrics.add(f"reward/{name}", torch.tensor(list(values.values())))
+        self.counted += n
+        if self.counted >= self.recipe.batch_size and self.metrics.acc:
+            done = self.state.scored + n  # the step those samples train (exactly so in lock-step)
+            self.sink.write(
+                {"step": done // self.recipe.batch_size - 1, "scored": done, **self.metrics.reduce()}
+            )
+            self.metrics, self.counted = Metrics(), 0
 
     def advantages(
         self,

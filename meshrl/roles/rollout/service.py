@@ -19,7 +19,6 @@ they are finished without being counted twice).
 from __future__ import annotations
 
 import asyncio
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,9 @@ import torch
 from meshrl.columns import GATE, VERSION
 from meshrl.dataplane import AsyncClient
 from meshrl.observe.metrics import JsonlSink
+from meshrl.roles.rollout import rewards as reward_functions
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.data import RewardFn, encode, load_rows
+from meshrl.roles.rollout.data import check_lengths, encode, load_rows
 from meshrl.roles.rollout.evaluation import Evaluation
 from meshrl.roles.rollout.feed import Feed, Group
 from meshrl.roles.rollout.scoring import Rewards, Scoring
@@ -50,10 +50,6 @@ class RolloutService(Service):
         if bad:
             self.log.warning("%d dataset rows skipped; the first: %s", len(bad), "; ".join(bad[:5]))
         ctx.health.info["bad_rows"] = len(bad)
-        reward_fn: RewardFn | None = None
-        if cfg.reward is not None:
-            module, _, fn = cfg.reward.partition(":")
-            reward_fn = getattr(importlib.import_module(module), fn)
 
         self.statefile = StateFile(ctx.run_dir / "rejoin" / f"{ctx.name}.{ctx.launch}")
         predecessor = self.statefile.read()
@@ -67,14 +63,16 @@ class RolloutService(Service):
         def encoded(row: dict[str, Any]) -> torch.Tensor:
             return encode(tokenizer, cfg, row)
 
-        rewards = Rewards(tokenizer, reward_fn, cfg.prompt_field)
+        check_lengths(train_rows, encoded, cfg.max_prompt_len)
+        rewards = Rewards(tokenizer, reward_functions.load(cfg.rewards), cfg.prompt_field)
         seed = ctx.recipe.seed * 7919 + ctx.replica.index
         self.feed = Feed(cfg, ctx.recipe, self.state, train_rows, encoded, seed=seed, name=ctx.name)
         self.scoring = Scoring(
-            cfg, ctx.recipe, self.state, rewards, train_rows, on_refill=self.feed.changed.set
-        )
+            cfg, ctx.recipe, self.state, rewards, train_rows, on_refill=self.feed.changed.set,
+            sink=self.sink("rewards.jsonl", predecessor),
+        )  # fmt: skip
         self.evaluation = Evaluation(
-            cfg, self.state, eval_rows, encoded, rewards, self.eval_sink(predecessor)
+            cfg, self.state, eval_rows, encoded, rewards, self.sink("eval.jsonl", predecessor)
         )
         if predecessor is not None:
             self.evaluation.read_recorded()
@@ -87,13 +85,14 @@ class RolloutService(Service):
     def fresh(self) -> RolloutState:
         return RolloutState(group_seq=self.ctx.replica.index * 10**12, kl_coef=self.config.kl_in_reward)
 
-    def eval_sink(self, predecessor: object) -> JsonlSink:
-        """eval.jsonl: replica 0 starts it afresh, or cuts it back to the checkpoint it resumes from; a
-        re-joining process appends to what its predecessor wrote."""
+    def sink(self, name: str, predecessor: object) -> JsonlSink:
+        """eval.jsonl / rewards.jsonl: replica 0 starts it afresh; a re-joining process appends to what
+        its predecessor wrote. A resumed run cuts eval.jsonl back to the checkpoint it resumes from
+        (rewards.jsonl is appended to: its rows are counted by samples scored)."""
         keep: int | None = None
         if self.ctx.replica.index == 0 and predecessor is None:
-            keep = self.state.eval_lines if self.ctx.resume is not None else 0
-        return JsonlSink(self.ctx.run_dir / "eval.jsonl", keep=keep)
+            keep = 0 if self.ctx.resume is None else (self.state.eval_lines if name == "eval.jsonl" else None)
+        return JsonlSink(self.ctx.run_dir / name, keep=keep)
 
     def load(self, checkpoint: Path) -> RolloutState:
         """The state saved in `checkpoint` (eval.jsonl is cut back to what it held then: `eval_sink`)."""

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+EvalResult = tuple[bool, float, int, dict[str, float]]
+"""An evaluation row's (greedy?, reward, prompt index, the value of each reward function that applied)."""
+
 
 @dataclass
 class RolloutState:
@@ -46,8 +49,8 @@ class RolloutState:
     # evaluation
     eval_pending: dict[int, int] = field(default_factory=dict)
     """Version -> evaluation rows not back yet."""
-    eval_results: dict[int, list[tuple[bool, float]]] = field(default_factory=dict)
-    """Version -> (greedy?, reward) of the rows back so far."""
+    eval_results: dict[int, list[EvalResult]] = field(default_factory=dict)
+    """Version -> (greedy?, reward, prompt index, each reward function's value) of the rows back so far."""
     eval_lines: int = 0
     """Lines of eval.jsonl when a checkpoint was taken (a resumed run cuts the file back to them)."""
     # effects in flight: what a successor must complete without counting it again
@@ -84,7 +87,8 @@ class RolloutState:
             **plain,
             eval_pending={int(k): v for k, v in data["eval_pending"].items()},
             eval_results={
-                int(k): [(bool(g), float(r)) for g, r in v] for k, v in data["eval_results"].items()
+                int(k): [(bool(g), float(r), int(p), dict(f)) for g, r, p, f in v]
+                for k, v in data["eval_results"].items()
             },
             replay=set(data["replay"]),
             replay_eval=set(data["replay_eval"]),

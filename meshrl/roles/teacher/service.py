@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from meshrl.algorithms.chunked import head_is_linear, last_hidden
 from meshrl.algorithms.distill import topk_logprobs
 from meshrl.columns import PROMPT, RESPONSE, teacher_columns
 from meshrl.dataplane import Batch, Ragged
@@ -107,25 +108,6 @@ class TopK:
         logp = torch.log_softmax(logits, dim=-1)
         top = logp.topk(self.k, dim=-1)
         return top.indices, top.values, logp.gather(-1, targets[:, None]).squeeze(-1)
-
-
-def last_hidden(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Final hidden states [n, L, D] (after the last norm), computing the logits of one position only."""
-    return model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
-
-
-@torch.no_grad()
-def head_is_linear(model: Any, device: torch.device | str = "cpu") -> bool:
-    """Whether the model's logits are exactly its output projection of `last_hidden` (checked on a short
-    input): then top-k can stream over the vocabulary instead of materialising all logits."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        return False
-    ids = (torch.arange(1, 9, device=device) % head.weight.shape[0])[None]
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    full = model(**inputs).logits[0].float()
-    mine = head(last_hidden(model, inputs)[0]).float()
-    return bool(torch.allclose(full, mine, atol=1e-4, rtol=1e-4))
 
 
 def _response_positions(

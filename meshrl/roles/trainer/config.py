@@ -43,6 +43,23 @@ class SimTraining:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Lora:
+    """LoRA adapters (PEFT) instead of full fine-tuning: only they are trained and checkpointed."""
+
+    rank: int = 0
+    """Rank of each adapter; 0: full fine-tuning (no adapters)."""
+    alpha: float = 32.0
+    """Scale of the adapters' update: alpha / rank."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (or suffixes) that get an adapter; "all-linear": every linear layer but the output."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps the trainer's log-probs those inference samples with)."""
+    save_merged: bool = False
+    """The final save writes the adapter to <run_dir>/final, and with this also the merged model to
+    <run_dir>/final/merged."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig(ServiceConfig):
     service = "meshrl.roles.trainer.service:TrainerService"
 
@@ -78,6 +95,23 @@ class TrainerConfig(ServiceConfig):
     """Drop samples whose first token was generated more than this many versions ago (counted)."""
     micro_batch: int = 32
     """Rows per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    max_tokens_per_micro_batch: int | None = None
+    """Fill micro-batches by tokens instead (micro_batch is then unused): several samples packed into
+    each row (as wide as the longest sample), each attending only to itself, and as many rows per
+    micro-batch as this many tokens hold. Padding goes, and the memory of a micro-batch is bounded by
+    tokens whatever the lengths. Needs a per-token loss (loss_agg token-mean, policy_loss ppo)."""
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """fp32, or bf16-mixed: float32 parameters, gradients and optimizer state (small updates are not
+    rounded away), forward and backward in bfloat16, weights published to inference in bfloat16."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward pass and recompute the rest: activation
+    memory of one layer instead of all, for about one more forward pass of time."""
+    lora: Lora = Lora()
+    """LoRA: set lora.rank > 0 to train adapters; inference receives the merged weights."""
+    logits_chunk: int = 1024
+    """Positions whose logits exist at a time when computing the policy's log-probs and entropy from the
+    last hidden state (recomputed in the backward pass); 0: the whole micro-batch's logits at once.
+    Distillation always computes them whole (its top-k KL reads them)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """token-mean, seq-mean-token-mean or seq-mean-token-sum (normalised over the whole step)."""
     policy_loss: Literal["ppo", "gspo"] = "ppo"
@@ -136,6 +170,7 @@ class TrainerConfig(ServiceConfig):
     def validate(self) -> Iterator[str]:
         if self.lr <= 0:
             yield "lr: must be > 0"
+        yield from self._memory_problems()
         if min(self.micro_batch, self.mini_batches, self.epochs) < 1:
             yield "micro_batch, mini_batches, epochs: must be >= 1"
         if self.is_cap <= 0:
@@ -160,6 +195,26 @@ class TrainerConfig(ServiceConfig):
             yield "value_clip: must be > 0 (or None)"
         if self.distills and not (self.teachers and all(w > 0 for w in self.teachers.values())):
             yield f"teachers: {self.teachers!r}: distillation needs at least one teacher, each with a weight > 0"
+
+    def _memory_problems(self) -> Iterator[str]:
+        """Problems of the settings that fit a step in memory (precision, chunks, packing)."""
+        if {"dtype", "torch_dtype"} & set(self.loader_kwargs):
+            yield "loader_kwargs: the trainer's dtype is set by trainer.precision (fp32 or bf16-mixed)"
+        if self.logits_chunk < 0:
+            yield "logits_chunk: must be >= 0 (0: whole logits)"
+        if self.lora.rank < 0 or self.lora.alpha <= 0 or not 0 <= self.lora.dropout < 1:
+            yield "lora: rank must be >= 0, alpha > 0 and dropout in [0, 1)"
+        if self.lora.rank and (self.value_head or self.engine != "fsdp"):
+            yield "lora: adapters train the policy of the fsdp engine, without value_head"
+        if self.max_tokens_per_micro_batch is None:
+            return
+        if self.max_tokens_per_micro_batch < 1:
+            yield "max_tokens_per_micro_batch: must be >= 1 (or None: micro_batch rows)"
+        if self.loss_agg != "token-mean" or self.policy_loss != "ppo":
+            yield (
+                "max_tokens_per_micro_batch: packing samples into rows needs a per-token loss: "
+                "loss_agg='token-mean' and policy_loss='ppo' (or set it to None)"
+            )
 
     @property
     def distills(self) -> bool:
@@ -195,6 +250,10 @@ class TrainerConfig(ServiceConfig):
         if group.replicas != 1:
             problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
         world = max(1, group.devices_per_replica)
+        if self.lora.rank and world > 1:
+            problems.append(
+                "lora: adapters are trained on one trainer device (devices_per_replica=1) for now"
+            )
         if recipe.prompts_per_step % (world * self.mini_batches):
             problems.append(
                 f"mini_batches: the recipe's prompts_per_step ({recipe.prompts_per_step}) must divide into "
@@ -208,6 +267,9 @@ class TrainerConfig(ServiceConfig):
         for ring in recipe.rings:
             members = {m.group for m in ring.members}
             missing = [gid for gid in self.inference if gid not in members]
+            if ring.hybrid and group.id in members and self.lora.rank:
+                problems.append(f"lora: hybrid ring {ring.id!r} lends the trainer's model to inference; "
+                                "it would generate with the adapters unmerged (publish to inference instead)")  # fmt: skip
             if ring.hybrid and group.id in members and missing:
                 problems.append(
                     f"inference: {missing} must be in hybrid ring {ring.id!r} with the trainer (it publishes by "

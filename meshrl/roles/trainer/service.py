@@ -76,6 +76,8 @@ class TrainerService(Service):
             self.engine = FSDPEngine(
                 cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed,
                 head="lm+value" if cfg.value_head else "lm", temperature=recipe.temperature,
+                precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
+                logits_chunk=cfg.logits_chunk, lora=cfg.lora,
             )  # fmt: skip
         # the actor-critic computes GAE with the rollout's settings (the planner checked there is one)
         self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)

@@ -42,7 +42,7 @@ def main() -> None:
             engine.update_policy(batch, Step())
         group.send(version, engine.manifest(), list(engine.get_weights()))
         with torch.no_grad():
-            lp, _, _ = engine.forward_logprobs(
+            lp, _ = engine.forward_logprobs(
                 pack(
                     [seq[0, :PROMPT_LEN]],
                     [seq[0, PROMPT_LEN:]],

@@ -61,18 +61,20 @@ def test_grpo_learns_arithmetic(grpo_100_steps):
 def test_failing_reward_samples_are_counted_and_excluded(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     r = run(tmp_path, f"*.model={tiny_model}", f"run_dir={run_dir}", "total_steps=4",
-            "rollout.reward=tests.integration.grpo.rewards:flaky", "rollout.max_failed_fraction=0.5",
+            'rollout.rewards={"tests.integration.grpo.rewards:flaky": 1}', "rollout.max_failed_fraction=0.5",
             "rollout.eval_every=0")  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     metrics = rows(run_dir / "metrics.jsonl")
     assert len(metrics) == 4 and sum(m["failed"] for m in metrics) > 0
+    logged = rows(run_dir / "rewards.jsonl")  # each reward function's mean, a row per step's samples
+    assert len(logged) >= 3 and all(0 <= r["reward/flaky"] <= 1 for r in logged)
     assert "cannot score" in (run_dir / "logs" / "rollout-0-0.log").read_text()
 
 
 def test_a_reward_that_always_fails_stops_the_run(tmp_path, tiny_model):
     run_dir = tmp_path / "run"
     r = run(tmp_path, f"*.model={tiny_model}", f"run_dir={run_dir}", "total_steps=4",
-            "rollout.reward=tests.integration.grpo.rewards:broken")  # fmt: skip
+            'rollout.rewards={"tests.integration.grpo.rewards:broken": 1}')  # fmt: skip
     assert r.returncode != 0
     assert "service rollout-0-0 failed" in r.stderr
     assert "could not be scored" in r.stderr and "this reward function always fails" in r.stderr
@@ -84,8 +86,10 @@ def test_bad_input_fails_at_start_up_naming_the_field(tmp_path, tiny_model):
     assert r.returncode == 2
     assert "groups['trainer'].config.model: path '/nonexistent/model' does not exist" in r.stderr
     assert "groups['inference'].config.model" in r.stderr and "groups['rollout'].config.model" in r.stderr
-    r = run(tmp_path, f"*.model={tiny_model}", "rollout.reward=no.such.module:fn")
-    assert r.returncode == 2 and "groups['rollout'].config.reward: cannot import 'no.such.module'" in r.stderr
+    r = run(tmp_path, f"*.model={tiny_model}", 'rollout.rewards={"no.such.module:fn": 1}')
+    assert (
+        r.returncode == 2 and "groups['rollout'].config.rewards: cannot import 'no.such.module'" in r.stderr
+    )
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "1+1=", "answer": "2"}\n')
     r = run(tmp_path, f"*.model={tiny_model}", f"rollout.dataset={data}")
@@ -93,3 +97,25 @@ def test_bad_input_fails_at_start_up_naming_the_field(tmp_path, tiny_model):
     assert "groups['rollout'].config.dataset: rows have no field 'prompt'" in r.stderr
     r = run(tmp_path, f"*.model={tiny_model}", "trainer.temperature=0.5")  # stated once: no disagreement
     assert r.returncode == 2 and "temperature is set once for the whole recipe" in r.stderr
+
+
+def test_a_trl_style_run_conversational_prompts_and_weighted_async_rewards(tmp_path, tiny_model):
+    """As a TRL user brings it: a JSONL of chat-message prompts, a system prompt, several weighted
+    reward functions (one async and batched, one per sample that is sometimes not applicable)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}) + "\n"
+        for a in range(10) for b in range(10)
+    ))  # fmt: skip
+    run_dir = tmp_path / "run"
+    rewards = {
+        "tests.integration.grpo.rewards:chat_judge": 1.0,
+        "tests.integration.grpo.rewards:odd_only": 0.5,
+    }
+    r = run(tmp_path, f"*.model={tiny_model}", f"run_dir={run_dir}", "total_steps=3", f"rollout.dataset={data}",
+            "rollout.system_prompt=add.", f"rollout.rewards={json.dumps(rewards)}", "rollout.eval_every=0")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert len(rows(run_dir / "metrics.jsonl")) == 3
+    logged = rows(run_dir / "rewards.jsonl")
+    assert [line["step"] for line in logged] == [0, 1, 2]
+    assert all({"reward/chat_judge", "reward/odd_only"} <= set(line) for line in logged)

@@ -9,7 +9,7 @@ import pytest
 from tests.integration.grpo.test_grpo import REPO, rows, run
 
 PPO = str(REPO / "recipes" / "ppo_arith.py")
-EVEN = "rollout.reward=tests.integration.ppo.rewards:even_first_digit"
+EVEN = 'rollout.rewards={"tests.integration.ppo.rewards:even_first_digit": 1}'
 
 
 def mean(xs: list[float]) -> float:
@@ -139,11 +139,18 @@ def test_actor_critic_learns_a_reward_its_value_head_can_read(tmp_path, arith_mo
     assert kl[0] < 0.05 and mean(kl[-5:]) > 2 * max(kl[0], 0.005), kl
 
 
-def test_two_trainer_ranks_shard_the_actor_critic(tmp_path, arith_model):
+MEMORY = ("trainer.precision=bf16-mixed", "trainer.activation_checkpointing=true",
+          "trainer.max_tokens_per_micro_batch=128")  # fmt: skip
+
+
+@pytest.mark.parametrize("settings", [(), MEMORY], ids=["fp32", "memory-settings"])
+def test_two_trainer_ranks_shard_the_actor_critic(tmp_path, arith_model, settings):
     """FSDP2 over two gloo ranks: each claims half of every mini-batch, values and whitening are taken
-    over both halves, and the final model (policy + head) is gathered from the shards."""
+    over both halves, and the final model (policy + head) is gathered from the shards; also with
+    bf16 mixed precision (FSDP's policy), checkpointed layers inside FSDP's units and packed rows."""
     r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=3",
-            "checkpoint_every=2", "rollout.eval_every=0", "trainer.devices_per_replica=2", recipe=SHARED)  # fmt: skip
+            "checkpoint_every=2", "rollout.eval_every=0", "trainer.devices_per_replica=2", *settings,
+            recipe=SHARED)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     actor = rows(tmp_path / "run" / "metrics.jsonl")
     assert [m["samples"] for m in actor] == [128, 128, 128] and all(m["value_loss"] > 0 for m in actor)

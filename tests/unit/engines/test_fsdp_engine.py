@@ -9,13 +9,13 @@ import torch
 
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig, lr_factor
-from meshrl.engines.packing import pack
-from meshrl.roles.trainer.config import TrainerConfig
+from meshrl.engines.packing import pack, token_micro_batches
+from meshrl.roles.trainer.config import Lora, TrainerConfig
 
 
 def Step(**kw: object) -> TrainerConfig:
     """The trainer's loss settings as the engine sees them (micro-batches of 3 rows, PPO clip)."""
-    return TrainerConfig(model=".", micro_batch=3, **kw)  # type: ignore[arg-type]
+    return TrainerConfig(model=".", **{"micro_batch": 3, **kw})  # type: ignore[arg-type]
 
 
 def test_pack_aligns_response_values_with_the_positions_that_predict_them():
@@ -181,3 +181,143 @@ def test_actor_critic_learns_values_with_the_policy_and_publishes_only_the_polic
         str(tmp_path / "final"), OptimConfig(lr=1e-3), device=torch.device("cpu"), head="lm+value"
     )
     torch.testing.assert_close(again.compute_values(b, micro_batch=4)[b.mask], values, rtol=1e-5, atol=1e-5)
+
+
+def varied(n: int = 10):
+    """Rows of very different lengths (prompts of 2-4 tokens, responses of 1-9), per-row advantages."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 14, (int(k),), generator=g) for k in torch.randint(2, 5, (n,), generator=g)]
+    responses = [
+        torch.randint(4, 14, (int(k),), generator=g) for k in torch.randint(1, 10, (n,), generator=g)
+    ]
+    logprobs = [-torch.rand(len(r), generator=g) for r in responses]
+    return pack(prompts, responses, logprobs, torch.randn(n, generator=g), torch.ones(n))
+
+
+def update_grads(engine: FSDPEngine, b, cfg: TrainerConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """One update's metrics and the gradients its optimizer step saw (before clipping)."""
+    seen: list[torch.Tensor] = []
+    step = engine._step
+
+    def capture(**kw):
+        seen.extend(p.grad.clone() for p in engine.model.parameters())
+        return step(**kw)
+
+    engine._step = capture  # type: ignore[method-assign]
+    return engine.update_policy(b, cfg), seen
+
+
+def assert_same_update(a: tuple, b: tuple, tol: float) -> None:
+    for key in ("loss", "pg_loss", "entropy", "kl_behaviour", "clip_fraction"):
+        assert a[0][key] == pytest.approx(b[0][key], rel=tol, abs=tol), key
+    for x, y in zip(a[1], b[1], strict=True):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
+def engine_with(tiny_model, **kw) -> FSDPEngine:
+    return FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"), **kw)
+
+
+def test_chunked_logprobs_give_the_loss_and_gradients_of_the_whole_logits(tiny_model):
+    cfg = Step(entropy_coef=0.1, micro_batch=4)
+    whole = update_grads(engine_with(tiny_model, logits_chunk=0), varied(), cfg)
+    engine = engine_with(tiny_model, logits_chunk=5)
+    assert engine._chunked  # the tiny Qwen2's logits are its output projection: chunks apply
+    chunked = update_grads(engine, varied(), cfg)
+    assert_same_update(chunked, whole, 1e-6)
+
+
+def test_packed_micro_batches_give_the_loss_and_gradients_of_unpacked_ones(tiny_model):
+    b = varied(12)
+    micro = token_micro_batches(b, max_tokens=30)
+    widths = b.attention_mask.sum(1)
+    assert sum(int(m.attention_mask.sum()) for m in micro) == int(widths.sum())  # every token, no padding
+    assert all(m.input_ids.numel() <= max(30, int(widths.max())) for m in micro)
+    assert any(m.position_ids is not None and (m.position_ids[:, 1:] == 0).any() for m in micro)  # packed
+    assert sum(int(m.mask.sum()) for m in micro) == int(b.mask.sum())
+    rows = update_grads(engine_with(tiny_model), b, Step(micro_batch=4))
+    packed = update_grads(engine_with(tiny_model), b, Step(max_tokens_per_micro_batch=30))
+    assert_same_update(packed, rows, 1e-5)
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tiny_model):
+    plain = update_grads(engine_with(tiny_model), varied(), Step())
+    ckpt = update_grads(engine_with(tiny_model, activation_checkpointing=True), varied(), Step())
+    assert_same_update(ckpt, plain, 1e-6)
+
+
+def test_bf16_mixed_keeps_fp32_master_state_and_learns(tiny_model):
+    engine = FSDPEngine(
+        str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), precision="bf16-mixed"
+    )
+    b = varied(12)
+    b.advantages = torch.where(torch.arange(12) % 2 == 0, 1.0, -1.0)
+    first = engine.update_policy(b, Step(micro_batch=4))
+    for _ in range(5):
+        last = engine.update_policy(b, Step(micro_batch=4))
+    assert last["pg_loss"] < first["pg_loss"] - 0.05, (first["pg_loss"], last["pg_loss"])
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+    state = [v for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert state and all(v.dtype == torch.float32 for v in state)
+    # inference receives the weights the trainer computes with: bfloat16
+    assert {d for _, _, d in engine.manifest()} == {"bfloat16"}
+    assert all(t.dtype == torch.bfloat16 for t in engine.get_weights())
+
+
+def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    plain = engine_with(tiny_model)
+    engine = engine_with(tiny_model, lora=Lora(rank=4, save_merged=True))
+    assert engine.manifest() == plain.manifest()  # inference sees a plain model
+    trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert sum(len(g["params"]) for g in engine.optimizer.param_groups) == len(trainable)
+    frozen = {n: p.detach().clone() for n, p in engine.model.named_parameters() if not p.requires_grad}
+    before = params(engine)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(plain), strict=True))  # B starts at 0
+    engine.update_policy(varied(), Step())
+    engine.update_policy(varied(), Step())
+    assert all(torch.equal(p, frozen[n]) for n, p in engine.model.named_parameters() if not p.requires_grad)
+    after = params(engine)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    # the final save: the adapter, and the merged model, which scores as the trainer does
+    engine.save_pretrained(str(tmp_path / "final"), source=str(tiny_model))
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final" / "merged")
+    for (name, _, _), t in zip(engine.manifest(), after, strict=True):
+        torch.testing.assert_close(merged.get_parameter(name), t)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))  # adapters and their optimizer state only
+    saved = sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir())
+    assert saved < sum(p.numel() * 4 for p in frozen.values()) / 2
+    resumed = engine_with(tiny_model, lora=Lora(rank=4))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.steps == 2 and all(torch.equal(a, b) for a, b in zip(params(resumed), after, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kw", "dtype", "tolerance"),
+    [({"lora": Lora(rank=4)}, "float32", 1e-5), ({"precision": "bf16-mixed"}, "bfloat16", 0.05)],
+)
+def test_inference_scores_as_the_trainer_after_updates(tiny_model, kw, dtype, tolerance):
+    """LoRA: inference gets the merged weights; bf16-mixed: a bf16 inference model gets the bf16
+    weights and agrees with the trainer's autocast forward to about bf16's precision."""
+    from meshrl.engines.hf import HFEngine
+    from tests.integration.engine_checks import check_versions, direct
+
+    engine = HFEngine(str(tiny_model), loader_kwargs={"dtype": getattr(torch, dtype)})
+    check_versions(engine, tiny_model, direct, tolerance=tolerance, **kw)
+
+
+def test_packing_precision_and_lora_settings_are_checked_at_load_time():
+    from meshrl.planning.config import RecipeError
+
+    Step(max_tokens_per_micro_batch=64, precision="bf16-mixed", lora=Lora(rank=8))
+    for field, bad in (
+        ("max_tokens_per_micro_batch", dict(loss_agg="seq-mean-token-mean")),  # per-row terms need rows
+        ("max_tokens_per_micro_batch", dict(policy_loss="gspo")),
+        ("loader_kwargs", dict(loader_kwargs={"dtype": "bfloat16"}, max_tokens_per_micro_batch=None)),
+        ("lora", dict(lora=Lora(rank=8), value_head=True, max_tokens_per_micro_batch=None)),
+    ):
+        with pytest.raises(RecipeError, match=field):
+            Step(**{"max_tokens_per_micro_batch": 64, **bad})

@@ -1,0 +1,55 @@
+"""LoRA adapters on the policy (PEFT): the trainer learns low-rank updates, inference gets merged weights.
+
+Only the adapters are trainable, so the optimizer state and the gradients are those of a few million
+parameters, and the frozen base needs no float32 master copy: under mixed precision it is kept in the
+compute dtype. Inference engines load plain models, so what is published is the base with each
+adapter's update merged in (`merged_parameters`), under the plain model's parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+ADAPTER = "default"
+
+
+def add_adapters(model: Any, lora: Any, frozen_dtype: torch.dtype) -> Any:
+    """`model` with LoRA adapters (`lora`: rank, alpha, target_modules, dropout) on the target modules,
+    only they trainable (float32), the rest frozen in `frozen_dtype`."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
+    config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout, bias="none"
+    )
+    peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
+    for p in peft_model.parameters():
+        p.data = p.data.float() if p.requires_grad else p.data.to(frozen_dtype)
+    return peft_model
+
+
+def train_dropout(model: Any) -> None:
+    """The adapters' dropout on (the engine runs the model in eval mode: no other dropout in RL). With
+    lora.dropout > 0 the trainer's log-probs are then noisy copies of those inference sampled with."""
+    for name, module in model.named_modules():
+        if ".lora_dropout." in f"{name}.":
+            module.train()
+
+
+@torch.no_grad()
+def merged_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each parameter of the plain model, with the adapters' updates merged in."""
+    base = model.get_base_model()
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            owner, _, leaf = name.rpartition(".base_layer.")
+            if leaf == "weight":
+                delta = base.get_submodule(owner).get_delta_weight(ADAPTER)
+                p = (p.float() + delta.float()).to(p.dtype)
+            name = f"{owner}.{leaf}"
+        yield name, p

@@ -1,0 +1,171 @@
+"""Reward functions, TRL's way: several, weighted, batched or per sample, sync or async.
+
+A recipe names them by import path with a weight, `rewards={"pkg.mod:fn": 1.0, ...}`. A function is
+called in one of two ways, told apart by its signature:
+
+- batched, TRL's `reward_funcs` signature (it takes `**kwargs`):
+  `fn(prompts, completions, **columns) -> list[float | None]`, every other dataset column passed as a
+  list by name, so a function written for TRL runs unchanged;
+- per sample (no `**kwargs`): `fn(prompt, completion, row) -> float | None`, `row` the dataset row.
+
+Prompts are the dataset's prompt column as it is (a string, or TRL's list of chat messages); a
+completion is the decoded text, or `[{"role": "assistant", "content": text}]` when the prompt is a
+list of messages (as TRL passes them). `async def` functions run concurrently with each other (and an
+async per-sample function over the batch's samples), e.g. for a remote judge.
+
+A value of `None` means "not applicable": it adds nothing to the sample's reward and is left out of
+that function's mean (TRL's rule). An exception or a non-finite value marks the sample failed: it is
+excluded from the loss, and the run stops when more than `max_failed_fraction` of samples failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import itertools
+import logging
+import math
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from meshrl.columns import RESPONSE
+from meshrl.dataplane import Batch
+from meshrl.roles.rollout.config import metric_name
+
+log = logging.getLogger("meshrl.rollout")
+
+Outcome = float | None | BaseException  # a value, not applicable, or why it failed
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str
+    """The metric name: `reward/<name>` (the function's name, unique in the recipe)."""
+    fn: Callable[..., Any]
+    weight: float
+    batched: bool
+    """Takes `**kwargs`: called once per batch, TRL's way."""
+
+
+def load(rewards: dict[str, float]) -> list[RewardFunction]:
+    """The recipe's reward functions, imported (the config's check has made sure they import)."""
+    out = []
+    for spec, weight in rewards.items():
+        module, _, name = spec.partition(":")
+        fn = getattr(importlib.import_module(module), name)
+        batched = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+        out.append(RewardFunction(metric_name(spec), fn, float(weight), batched))
+    return out
+
+
+@dataclass
+class Scored:
+    """The rewards of a batch of completions."""
+
+    total: torch.Tensor
+    """Float32 per sample: the weighted sum of the functions' values (None adds nothing)."""
+    valid: torch.Tensor
+    """Bool per sample: no function failed on it."""
+    applied: dict[str, dict[int, float]]
+    """Per function, its value by sample index, for the samples it applied to (its metric is their mean)."""
+    failure: str | None
+    """The traceback of the first failure, None when nothing failed."""
+
+
+async def score(
+    functions: list[RewardFunction],
+    prompts: list[Any],
+    completions: list[Any],
+    rows: list[dict[str, Any]],
+    prompt_field: str = "prompt",
+) -> Scored:
+    """Every function on every sample, the functions concurrently."""
+    kwargs = columns(rows, prompt_field)
+    outcomes = await asyncio.gather(*(_call(f, prompts, completions, rows, kwargs) for f in functions))
+    n = len(prompts)
+    total, valid, failure = [0.0] * n, [True] * n, None
+    applied: dict[str, dict[int, float]] = {f.name: {} for f in functions}
+    for f, values in zip(functions, outcomes, strict=True):
+        for i, v in enumerate(values):
+            if isinstance(v, BaseException):
+                valid[i] = False
+                if failure is None:
+                    failure = f"{f.name} on sample {i}:\n" + "".join(traceback.format_exception(v))
+            elif v is not None:
+                total[i] += f.weight * v
+                applied[f.name][i] = v
+    return Scored(
+        torch.tensor(total, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), applied, failure
+    )
+
+
+async def _call(
+    f: RewardFunction,
+    prompts: list[Any],
+    completions: list[Any],
+    rows: list[dict[str, Any]],
+    kwargs: dict[str, list[Any]],
+) -> list[Outcome]:
+    """One function's outcome per sample; a batched call that fails or returns the wrong shape fails
+    every sample of the batch."""
+    n = len(prompts)
+    if not f.batched:
+        calls = zip(prompts, completions, rows, strict=True)
+        return list(await asyncio.gather(*(_one(f.fn, p, c, r) for p, c, r in calls)))
+    try:
+        values = f.fn(prompts, completions, **kwargs)
+        if inspect.isawaitable(values):
+            values = await values
+        values = list(values)
+        if len(values) != n:
+            raise ValueError(f"returned {len(values)} values for {n} completions")
+    except Exception as e:
+        return [e] * n
+    return [_checked(v) for v in values]
+
+
+async def _one(fn: Callable[..., Any], prompt: Any, completion: Any, row: dict[str, Any]) -> Outcome:
+    try:
+        value = fn(prompt, completion, row)
+        if inspect.isawaitable(value):
+            value = await value
+    except Exception as e:
+        return e
+    return _checked(value)
+
+
+def _checked(value: Any) -> Outcome:
+    """None, a finite float, or the error saying why not."""
+    if value is None:
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as e:
+        return e
+    return x if math.isfinite(x) else ValueError(f"reward function returned {x}")
+
+
+def columns(rows: list[dict[str, Any]], prompt_field: str) -> dict[str, list[Any]]:
+    """Every column of the rows but the prompt as a list by name (None where a row lacks it), as TRL
+    passes them; meshrl's own bookkeeping (`_line`) left out."""
+    names = dict.fromkeys(k for r in rows for k in r if not k.startswith("_") and k != prompt_field)
+    return {k: [r.get(k) for r in rows] for k in names}
+
+
+def completions(tokenizer: Any, batch: Batch, conversational: bool) -> list[Any]:
+    """The batch's completions decoded without their stop token: text, or one assistant message."""
+    responses = batch.ragged(RESPONSE)
+    eos = set(tokenizer.all_special_ids) & {tokenizer.eos_token_id}
+    flat, bounds = responses.values.tolist(), responses.offsets.tolist()
+    answers = []
+    for a, b in itertools.pairwise(bounds):
+        while b > a and flat[b - 1] in eos:  # the stop token is not part of the answer
+            b -= 1
+        answers.append(flat[a:b])
+    texts = tokenizer.batch_decode(answers, skip_special_tokens=False)
+    return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
