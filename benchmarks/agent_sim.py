@@ -15,6 +15,12 @@ trajectories, each round generating every active trajectory's turn on the same 4
 - barrier_trajectories_per_s, speedup_vs_barrier (target >= 3);
 - overhead_fraction: the share of a trajectory's life spent neither generating nor in the environment
   (waiting in queues for a generation batch, data-plane transfers, bookkeeping).
+
+Measured here (2 shared CPU cores, nearly idle): 35.0 trajectories/s, 174 turns/s, generation_busy
+0.77, barrier 7.2 trajectories/s, speedup 4.8, overhead_fraction 0.89; under load from other jobs
+26.8/s, busy 0.59, speedup 3.7. The overhead is mostly queueing: the env service keeps up to 512
+trajectories in flight for 4 x 8 generation slots. Inference claims its next batch only after writing
+the last one (no prefetch), which with ~90 ms batches is most of what keeps generation_busy under 0.9.
 """
 
 from __future__ import annotations
