@@ -7,7 +7,8 @@ CPU (gloo) and GPU (NCCL). With one rank the model is not wrapped at all (FSDP's
 overhead) and AdamW runs fused. The same engine with `head="value"` is the critic (`update_value`).
 
 Here: the model's set-up (loading, the value head, FSDP wrapping, the optimizer), the forwards, the
-micro-batch loop of each optimizer step and the step itself. Beside it: what a step minimises and
+micro-batch loop of each optimizer step and the step itself. Beside it: how the model is loaded and
+prepared for memory (`building.py`), what a step minimises and
 reports (`objective.py`), the full tensors gathered for publication (`gather.py`), and the model on disk
 (`checkpoints.py`).
 
@@ -29,12 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
 
 from meshrl.algorithms.chunked import head_is_linear, head_logprobs
 from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
+from meshrl.engines.building import checkpoint_layer, decoder_layers, load, mixed_precision
 from meshrl.engines.gather import full_tensors
 from meshrl.engines.lora import ADAPTER, add_adapters, merged_parameters, train_dropout
 from meshrl.engines.objective import PolicyObjective, value_terms
@@ -100,7 +101,7 @@ class FSDPEngine:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not os.path.exists(model_path):
             raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
-        model = _load(model_path, head, loader_kwargs)
+        model = load(model_path, head, loader_kwargs)
         self.hf_config = model.config
         # values need the last hidden state, not the logits: most HF models can skip all but one
         self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
@@ -111,16 +112,16 @@ class FSDPEngine:
         self._chunked = logits_chunk > 0 and head != "value" and self._logits_to_keep
         self._chunked = self._chunked and head_is_linear(model, device)
         if activation_checkpointing:
-            for layer in _decoder_layers(model):
-                _checkpoint(layer)
+            for layer in decoder_layers(model):
+                checkpoint_layer(layer)
         if self.lora is not None:
             if head != "lm" or self.world > 1:
                 raise ValueError("LoRA trains a policy (head 'lm') on one trainer rank")
             model = add_adapters(model, self.lora, frozen_dtype=self.compute_dtype)
         if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
-            shard = functools.partial(fully_shard, mesh=mesh, **_mixed_precision(self.compute_dtype))
-            for layer in _decoder_layers(model):
+            shard = functools.partial(fully_shard, mesh=mesh, **mixed_precision(self.compute_dtype))
+            for layer in decoder_layers(model):
                 shard(layer)
             if head == "lm+value":  # called outside the model's forward: its own unit
                 shard(model.value_head)
@@ -449,33 +450,6 @@ class FSDPEngine:
         self._set_lr()
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of an HF causal LM (each becomes one FSDP unit)."""
-    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
-        obj: Any = model
-        for part in attr.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, torch.nn.ModuleList):
-            return list(obj)
-    return []
-
-
-def _load(model_path: str, head: str, loader_kwargs: dict[str, Any] | None) -> Any:
-    """The HF model of `head`, in float32 whatever its checkpoint's dtype (the master weights: updates
-    in bf16 round small steps away; a critic's loader_kwargs may still choose), without a KV cache."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-    kwargs = {"dtype": torch.float32, **(loader_kwargs or {})}
-    if head == "value":
-        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-    model.config.use_cache = False
-    return model
-
-
 def _micro_batches(batch: TrainBatch, cfg: Any) -> list[TrainBatch]:
     """`cfg.micro_batch` rows at a time, longest first (similar lengths pad little), or with
     `cfg.max_tokens_per_micro_batch` samples packed into rows by tokens (`packing.token_micro_batches`)."""
@@ -483,24 +457,6 @@ def _micro_batches(batch: TrainBatch, cfg: Any) -> list[TrainBatch]:
         return token_micro_batches(batch, cfg.max_tokens_per_micro_batch)
     order = torch.argsort(batch.attention_mask.sum(1), descending=True)
     return [batch.rows(c) for c in order.split(cfg.micro_batch)]
-
-
-def _checkpoint(layer: torch.nn.Module) -> None:
-    """Activation checkpointing of one decoder layer: its forward runs under torch.utils.checkpoint
-    (non-reentrant, so it composes with FSDP2's hooks around the layer, which stay outside). The
-    parameter names do not change, unlike with a checkpoint wrapper module. No RNG state is kept:
-    the engine trains in eval mode (no dropout), so the recomputation is deterministic anyway."""
-    forward = layer.forward
-    layer.forward = functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=False)
-
-
-def _mixed_precision(dtype: torch.dtype) -> dict[str, Any]:
-    """FSDP2's arguments for computing in `dtype` from float32 shards (gradients reduced in float32)."""
-    if dtype == torch.float32:
-        return {}
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
 
 
 def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
