@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from meshrl.columns import CHECKPOINT, CONTROL, GATE
+from meshrl.observe.follow import is_signal
 from meshrl.observe.status import collect, latest_run
 
 PAGE = Path(__file__).with_name("dashboard.html")
 SAMPLES_SHOWN = 24
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-CONTROL_PARTITIONS = (CONTROL, CHECKPOINT, GATE)
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -96,8 +95,8 @@ class Live:
             h, n = self.history, len(self.history["t"])
             h["t"].append(time.time())
             for p in status.get("dataplane", {}).get("partitions", []):
-                if p["name"] in CONTROL_PARTITIONS or p["name"].startswith("ring."):
-                    continue  # signals, not work waiting
+                if is_signal(p["name"]):
+                    continue
                 for c in p["consumers"]:
                     if not c["name"].startswith("status."):
                         series = h["backlog"].setdefault(f"{p['name']}/{c['name']}", [None] * n)
@@ -165,7 +164,6 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8765) -> tuple[Thr
     """Start serving `run_dir` (on a thread); returns the server, the URL to open and the status
     sampler. Port 0 takes a free one."""
     token = None if host in LOOPBACK else secrets.token_urlsafe(16)
-    live = Live(run_dir).start()
     plotly_js = _plotly_js()
 
     class Handler(BaseHTTPRequestHandler):
@@ -195,6 +193,7 @@ def serve(run_dir: Path, host: str = "127.0.0.1", port: int = 8765) -> tuple[Thr
             pass
 
     server = ThreadingHTTPServer((host, port), Handler)
+    live = Live(run_dir).start()  # once listening: a port in use starts nothing
     threading.Thread(target=server.serve_forever, name="dashboard", daemon=True).start()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{server.server_address[1]}/" + (f"?token={token}" if token else "")
@@ -220,7 +219,12 @@ def main(argv: list[str]) -> int:
     if run_dir is None:
         print("meshrl dashboard: no run under ./runs; name a run directory", file=sys.stderr)
         return 2
-    server, url, live = serve(run_dir.resolve(), args.host, args.port)
+    try:
+        server, url, live = serve(run_dir.resolve(), args.host, args.port)
+    except OSError as e:  # the port taken, an address this host does not have
+        print(f"meshrl dashboard: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
+              "(choose another with --port, or --port 0 for any free one)", file=sys.stderr)  # fmt: skip
+        return 2
     print(f"meshrl dashboard: {url}  (run {run_dir}; Ctrl-C stops it)", flush=True)
     try:
         threading.Event().wait()

@@ -40,12 +40,18 @@ SAMPLES = "samples.jsonl"
 PROBE_S = 5.0
 
 
+def is_signal(partition: str) -> bool:
+    """Whether a partition carries control signals (run events, checkpoints, gates, colocation rings)
+    rather than work: its rows waiting are not a backlog."""
+    return partition in (CONTROL, CHECKPOINT, GATE) or partition.startswith("ring.")
+
+
 def backlog(status: Any) -> dict[str, float]:
     """Tracker scalars of the data plane's status (a StatusReply): rows ready and claimed per consumer
     of each work partition (control signals left out)."""
     out: dict[str, float] = {}
     for p in status.partitions:
-        if p.name in (CONTROL, CHECKPOINT, GATE) or p.name.startswith("ring."):
+        if is_signal(p.name):
             continue
         for c in p.consumers:
             out[f"dataplane/{p.name}/{c.name}/ready"] = float(c.ready)
