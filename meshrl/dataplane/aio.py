@@ -83,7 +83,8 @@ class AsyncClient:
             rid = os.urandom(8)
             await sock.send_multipart([rid, P.encode(msg)])
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(copy=False), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    frames = await sock.recv_multipart(copy=False)
                 if frames[0].bytes == rid:
                     raise_for(P.decode_reply(frames[1].buffer))
                     return [f.buffer for f in frames[2:]]

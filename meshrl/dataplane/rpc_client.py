@@ -166,13 +166,15 @@ class AsyncRpcClient:
                 opening = asyncio.open_unix_connection(addr)
             else:
                 opening = asyncio.open_connection(*addr)
-            reader, writer = await asyncio.wait_for(opening, timeout)
+            async with asyncio.timeout(timeout):
+                reader, writer = await opening
         except OSError as e:
             raise ConnectionError(f"cannot reach the data-plane controller at {endpoint}: {e}") from e
         sock = writer.get_extra_info("socket")
         if sock is not None:
             tune(sock)
-        greeting = await asyncio.wait_for(reader.readexactly(GREETING_LEN), timeout)
+        async with asyncio.timeout(timeout):
+            greeting = await reader.readexactly(GREETING_LEN)
         reply = answer(secret, greeting)
         if reply:
             writer.write(HEADER.pack(len(reply), bytes(8)) + reply)
@@ -199,7 +201,10 @@ class AsyncRpcClient:
         self.pending[rid] = fut
         try:
             self.writer.write(HEADER.pack(len(body), rid) + body)
-            return await asyncio.wait_for(fut, timeout)
+            # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that arrives with the reply,
+            # and a service's claim loop then outlives the shutdown that cancelled it
+            async with asyncio.timeout(timeout):
+                return await fut
         finally:
             self.pending.pop(rid, None)
 

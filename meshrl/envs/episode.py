@@ -15,13 +15,16 @@ import asyncio
 import json
 import logging
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from meshrl.envs.base import EnvError, Environment, State, Step, Turn, check_messages
 from meshrl.envs.parsers import Parser
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Trajectory
+
+T = TypeVar("T")
 
 log = logging.getLogger("meshrl.env")
 
@@ -54,7 +57,7 @@ class Outcome:
 async def start(env: Environment, renderer: Renderer, row: dict[str, Any], limits: Limits) -> Outcome:
     """Reset on `row` and render the first context; a failure ends the trajectory before any turn."""
     try:
-        messages, state = await asyncio.wait_for(env.reset(row), limits.step_timeout_s)
+        messages, state = await _within(env.reset(row), limits.step_timeout_s)
         messages = check_messages(messages, f"{type(env).__name__}.reset")
         _check_state(state, "reset")
         ids = renderer.first(messages)
@@ -83,7 +86,7 @@ async def advance(
     text = renderer.decode(response)
     turn = Turn(text, parser.parse(text))
     try:
-        step = await asyncio.wait_for(env.step(state, turn), limits.step_timeout_s)
+        step = await _within(env.step(state, turn), limits.step_timeout_s)
         if not isinstance(step, Step):
             raise EnvError(f"{type(env).__name__}.step returned {type(step).__name__}, not a Step")
         messages = check_messages(step.messages, f"{type(env).__name__}.step")
@@ -107,7 +110,7 @@ async def _finish(env: Environment, outcome: Outcome, final: Turn | None, limits
     """Take the reward: one number, or named ones (summed); a failure makes it NaN."""
     outcome.done = True
     try:
-        value = await asyncio.wait_for(env.reward(outcome.state, final), limits.step_timeout_s)
+        value = await _within(env.reward(outcome.state, final), limits.step_timeout_s)
         named = dict(value) if isinstance(value, dict) else {"reward": value}
         named = {str(k): float(v) for k, v in named.items()}
         total = math.fsum(named.values())
@@ -133,3 +136,10 @@ def _why(where: str, e: BaseException, limits: Limits) -> str:
     if isinstance(e, TimeoutError):
         return f"{where} timed out after {limits.step_timeout_s:g}s"
     return f"{where} raised {type(e).__name__}: {e}"
+
+
+async def _within(awaitable: Awaitable[T], seconds: float) -> T:
+    """`awaitable`, or TimeoutError after `seconds` (not asyncio.wait_for, which on Python 3.11 can
+    swallow the cancellation of a service shutting down)."""
+    async with asyncio.timeout(seconds):
+        return await awaitable

@@ -108,10 +108,11 @@ async def _call(tools: dict[str, Tool], call: ToolCall, timeout_s: float) -> str
     except ValueError as e:
         return f"error: {e}"
     try:
-        if inspect.iscoroutinefunction(tool.fn):
-            result = await asyncio.wait_for(tool.fn(**args), timeout_s)
-        else:  # a blocking tool runs on a thread, so other trajectories go on meanwhile
-            result = await asyncio.wait_for(asyncio.to_thread(tool.fn, **args), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            if inspect.iscoroutinefunction(tool.fn):
+                result = await tool.fn(**args)
+            else:  # a blocking tool runs on a thread, so other trajectories go on meanwhile
+                result = await asyncio.to_thread(tool.fn, **args)
     except TimeoutError:
         return f"error: {call.name} timed out after {timeout_s:g}s"
     except Exception as e:

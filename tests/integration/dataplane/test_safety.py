@@ -223,6 +223,28 @@ def test_async_client(plane):
     asyncio.run(main())
 
 
+def test_a_request_cancelled_as_its_reply_arrives_is_cancelled(plane):
+    """A service shuts down by cancelling its tasks; a task whose reply is already in when the
+    cancellation comes must still end (Python 3.11's asyncio.wait_for returned the reply instead, and the
+    service's claim loop went on forever)."""
+
+    async def main() -> None:
+        c = await AsyncClient.connect(plane.controller)
+        for _ in range(20):
+            asking = asyncio.create_task(c.status())
+            while not c.rpc.pending:  # sent
+                await asyncio.sleep(0)
+            (reply,) = c.rpc.pending.values()
+            while not reply.done():  # the reply is in; the task has not run since
+                await asyncio.sleep(0)
+            asking.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asking
+        await c.close()
+
+    asyncio.run(main())
+
+
 @pytest.fixture
 def outside_address():
     """A non-loopback address on the loopback interface (never an outside address); skipped when the
