@@ -352,7 +352,8 @@ class InferenceService(Service):
         todo = list(range(len(rows)))
         seeds = self.row_seeds(batch, rows)
         seed = seeds[0]
-        checks = [self.update_pending.is_set] if cfg.interrupt == "continue" else []
+        # evaluation rows are never continued on newer weights: an evaluation measures one version
+        checks = [self.update_pending.is_set] if cfg.interrupt == "continue" and not eval_rows else []
         if self.ring is not None and cfg.preempt == "abort":
             checks.append(self.ring.preempt.is_set)
         interrupt = (lambda: any(c() for c in checks)) if checks else None

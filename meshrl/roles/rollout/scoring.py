@@ -16,7 +16,7 @@ drops more than `max_filtered_fraction` of the groups, stop the run.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -81,8 +81,10 @@ class Scoring:
         rows: list[dict[str, Any]],
         on_refill: Callable[[], None],
         sink: Sink,
+        gate_counted: Callable[[int], Awaitable[None]],
     ) -> None:
         self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
+        self.gate_counted = gate_counted  # until the gate of a version is counted (its evaluation put)
         self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
         self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
         self.kl = AdaptiveKL(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -103,6 +105,9 @@ class Scoring:
             )  # fmt: skip
             if not batch:
                 continue
+            # a version's evaluation rows reach the data plane before anything generated with it is
+            # scored: the trainer cannot move past a version before inference has its evaluation
+            await self.gate_counted(max(int(v or 0) for v in batch.meta_of("min_version", 0)))
             async with pause.work():
                 if await self.score(client, batch, persist):
                     self.check_filtered()

@@ -69,7 +69,7 @@ class RolloutService(Service):
         self.feed = Feed(cfg, ctx.recipe, self.state, train_rows, encoded, seed=seed, name=ctx.name)
         self.scoring = Scoring(
             cfg, ctx.recipe, self.state, rewards, train_rows, on_refill=self.feed.changed.set,
-            sink=self.sink("rewards.jsonl", predecessor),
+            sink=self.sink("rewards.jsonl", predecessor), gate_counted=self.gate_counted,
         )  # fmt: skip
         self.evaluation = Evaluation(
             cfg, self.state, eval_rows, encoded, rewards, self.sink("eval.jsonl", predecessor)
@@ -129,18 +129,20 @@ class RolloutService(Service):
         self.pause = pause = ckpt.Pause()
         run_over = asyncio.create_task(self.watch_run(client))
         all_done = asyncio.create_task(self.done.wait())
-        jobs = (
-            self.watch_gates(),
-            self.feed.run(client, pause, self.persist),
-            self.scoring.run(client, pause, self.persist, after=self.scored),
-            self.evaluation.run(client, pause, self.persist, after=self.check_done),
-            ckpt.take_part(client, self.ctx.name, pause, self.save),
-        )
-        tasks = {asyncio.create_task(job) for job in jobs}
-        async with pause.work():  # not paused for a checkpoint until they are in the data plane
-            for key in list(self.state.pending):  # a predecessor's puts that may not have happened
-                await self.put_pending(key)
+        self.gates = asyncio.Condition()
+        self.last_gate = self.state.last_gate  # the last gate whose effects are in the data plane
+        tasks: set[asyncio.Task[None]] = set()
         try:
+            for key in list(self.state.pending):  # a predecessor's puts that may not have happened, first
+                await self.put_pending(key)
+            jobs = (
+                self.watch_gates(),
+                self.feed.run(client, pause, self.persist),
+                self.scoring.run(client, pause, self.persist, after=self.scored),
+                self.evaluation.run(client, pause, self.persist, after=self.check_done),
+                ckpt.take_part(client, self.ctx.name, pause, self.save),
+            )
+            tasks = {asyncio.create_task(job) for job in jobs}
             while not (run_over.done() or all_done.done()):
                 finished, _ = await asyncio.wait([*tasks, run_over, all_done], return_when="FIRST_COMPLETED")
                 for t in finished & tasks:
@@ -198,6 +200,14 @@ class RolloutService(Service):
                 )
                 await self.client.ack(batch)
                 self.feed.changed.set()
+            async with self.gates:
+                self.last_gate = st.last_gate
+                self.gates.notify_all()
+
+    async def gate_counted(self, version: int) -> None:
+        """Until the gate of `version` is counted and its evaluation's rows are put."""
+        async with self.gates:
+            await self.gates.wait_for(lambda: self.last_gate >= version)
 
     async def gate(self, version: int, final: bool) -> None:
         st = self.state

@@ -99,10 +99,6 @@ def test_bad_input_fails_at_start_up_naming_the_field(tmp_path, tiny_model):
     assert r.returncode == 2 and "temperature is set once for the whole recipe" in r.stderr
 
 
-@pytest.mark.skip(
-    reason="open bug: in about half of the parallel suite runs (never alone, 12 of 12 passed) this run does not "
-    "end: every step is trained, inference exits on FINISHED, but rollout stays alive after announcing it"
-)
 def test_a_trl_style_run_conversational_prompts_and_weighted_async_rewards(tmp_path, tiny_model):
     """As a TRL user brings it: a JSONL of chat-message prompts, a system prompt, several weighted
     reward functions (one async and batched, one per sample that is sometimes not applicable)."""
