@@ -10,6 +10,8 @@ members of a hybrid colocation ring on one device, run as threads of this one pr
 
 from __future__ import annotations
 
+import asyncio
+import faulthandler
 import gc
 import json
 import logging
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         services.append(service_class(ctx.config)(ctx))
     hybrid.register(services)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # `kill -USR1 PID`: every thread's stack into the log, then (once the main thread runs Python again)
+    # every asyncio task's
+    signal.signal(signal.SIGUSR1, dump_tasks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     t0 = time.monotonic()
     try:
         # a trainer first: co-hosted inference generates with the trainer's model
@@ -106,6 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def dump_tasks(*_: object) -> None:
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no event loop runs in the main thread
+        return
+    print(f"{len(tasks)} asyncio tasks:", flush=True)
+    for task in tasks:
+        task.print_stack(file=sys.stdout)
+    sys.stdout.flush()
 
 
 def run_threads(services: list[Any]) -> None:
