@@ -142,23 +142,35 @@ def weak_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-weak", 30)
 
 
+PORT_RANGE = (10000, 32000)  # below Linux's ephemeral range (32768-60999), where any connection's
+# local end may take a port at any moment (seen in CI as EADDRINUSE on a trainer's rendezvous port)
+PORT_STRIDE = 600  # a run's ports: base .. base + 2 + launchers_on_host * 512 + processes * 4
+_handed_out = 0
+
+
 def free_base_port() -> int:
-    """A base port with room for a run's ports above it (runs in parallel tests must not collide)."""
+    """A base port with room for a run's ports above it. Each pytest-xdist worker hands out bases from
+    its own slice of the range, one stride after another, so runs of parallel tests never overlap (a
+    random base did, about once a suite, as EADDRINUSE); ports still held by something are skipped."""
     import socket
 
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            # below Linux's ephemeral range (32768-60999): a port there can be taken at any moment by
-            # some connection's local end (seen in CI as EADDRINUSE on a trainer's rendezvous port)
-            base = 20000 + s.getsockname()[1] % 12000
+    global _handed_out
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker.startswith("gw") else 0
+    slots = (PORT_RANGE[1] - PORT_RANGE[0]) // PORT_STRIDE // max(workers, 1)
+    offset = os.getpid() if not worker else 0  # plain pytest processes side by side: spread them
+    for _ in range(slots):
+        slot = index * slots + (offset + _handed_out) % slots
+        _handed_out += 1
+        base = PORT_RANGE[0] + slot * PORT_STRIDE
         try:
-            for port in (base, base + 1, base + 2, base + 40):
+            for port in [*range(base, base + 40), *range(base + 514, base + 530)]:
                 with socket.socket() as probe:
                     probe.bind(("127.0.0.1", port))
-            return base
         except OSError:
             continue
+        return base
     raise RuntimeError("no free port range")
 
 

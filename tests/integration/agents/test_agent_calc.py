@@ -1,5 +1,5 @@
 """Multi-turn agents end to end (real processes, CPU): the calculator-tool task learns, and SIGKILLs of
-the environment service mid-run lose and repeat no trajectory."""
+the environment service or the inference replica mid-run lose and repeat no trajectory."""
 
 from __future__ import annotations
 
@@ -65,21 +65,26 @@ def test_agent_calc_learns(tmp_path: Path, calc_model: Path, recipe: str) -> Non
     )
 
 
-def test_env_killed_mid_run_loses_and_repeats_nothing(tmp_path: Path, format_model: Path) -> None:
-    """The environment service SIGKILLed three times at seeded random moments restarts alone each time;
-    the trajectories it was stepping come back with their turn rows and are stepped again, so every
-    trajectory ends as exactly one sample and is trained on exactly once."""
+@pytest.mark.parametrize("victim", ["env", "inference"])
+def test_a_service_killed_mid_trajectory_loses_and_repeats_nothing(
+    tmp_path: Path, format_model: Path, victim: str
+) -> None:
+    """The environment service, or the inference replica, SIGKILLed three times at seeded random moments
+    restarts alone each time. Env: the trajectories it was stepping come back with their turn rows and
+    are stepped again. Inference: the turns it had claimed come back when its connection closes and
+    its successor generates them once it has the current weights. Either way every trajectory ends as
+    exactly one sample and is trained on exactly once."""
     steps = 8
     run_dir = tmp_path / "run"
-    proc = start(tmp_path, f"*.model={format_model}", f"total_steps={steps}", "env.restart.mode=on-failure",
-                 "env.restart.max_restarts=3", "env.restart.backoff_s=0.2", f"run_dir={run_dir}",
+    proc = start(tmp_path, f"*.model={format_model}", f"total_steps={steps}", f"{victim}.restart.mode=on-failure",
+                 f"{victim}.restart.max_restarts=3", f"{victim}.restart.backoff_s=0.2", f"run_dir={run_dir}",
                  recipe=RECIPE)  # fmt: skip
-    kill_repeatedly(proc, run_dir, "env", random.Random(3), range(1, steps - 1), 3, within_s=0.4)
+    kill_repeatedly(proc, run_dir, victim, random.Random(3), range(1, steps - 1), 3, within_s=0.4)
     proc.wait(timeout=600)
     assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
     restarts = rows(run_dir / "restarts.jsonl")
-    assert [(r["group"], r["in_place"]) for r in restarts] == [("env", True)] * 3, restarts
+    assert [(r["group"], r["in_place"]) for r in restarts] == [(victim, True)] * 3, restarts
     assert (run_dir / "logs" / "trainer-0-1.log").read_text().count("==== start") == 1
     tally = account(run_dir / "ledger.jsonl")
     produced = steps * BATCH

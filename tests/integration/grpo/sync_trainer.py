@@ -53,6 +53,7 @@ def main() -> None:
                 1.0,
             )
         print(json.dumps({"version": version, "logprobs": lp[0, PROMPT_LEN - 1 :].tolist()}), flush=True)
+    sys.stdin.read()  # until the test is done with the weight group's store, which this process hosts
     dist.destroy_process_group()
 
 

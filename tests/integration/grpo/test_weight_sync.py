@@ -27,6 +27,7 @@ def test_logprobs_match_the_trainer_after_every_sync(tiny_model):
             str(base + 1),
             str(versions),
         ],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -48,5 +49,6 @@ def test_logprobs_match_the_trainer_after_every_sync(tiny_model):
             seen.append(ours)
         assert seen[0] != seen[-1], "training changed nothing: the test would pass without a sync"
     finally:
+        trainer.stdin.close()  # type: ignore[union-attr]  # the trainer (and the store it hosts) may go now
         trainer.wait(timeout=60)
     assert trainer.returncode == 0
