@@ -201,7 +201,7 @@ class RolloutConfig(ServiceConfig):
         return (ADVANTAGE, RETURNS) if self.values == "critic" else (TOKEN_REWARDS,)
 
     def reads(self) -> Columns:
-        return {SAMPLES: self.score_columns(), EVAL: (PROMPT, RESPONSE), GATE: (VERSION,)}
+        return {SAMPLES: self.score_columns(), EVAL: (PROMPT, RESPONSE, VERSION), GATE: (VERSION,)}
 
     def writes(self) -> Columns:
         return {

@@ -2,7 +2,11 @@
 
 At version 0, every `eval_every` versions and at the final version, rollout writes each held-out prompt
 into the `eval` partition once for a greedy completion and `eval_samples` times for sampled ones, all
-tagged with that version (inference generates them with exactly it). When every row of a version is
+tagged with that version. In lock-step inference generates them with exactly it: rollout scores
+nothing generated with a version before that version's evaluation rows are put (`scoring.py`), so
+the trainer cannot move on first, and inference finishes an evaluation batch on the weights it began
+with. A run that goes ahead of its trainer (window > 1 or none) may evaluate on a newer version; the
+log says how many rows were. When every row of a version is
 back, its greedy and sampled accuracy (the mean reward), pass@k and each reward function's mean are
 appended to <run_dir>/eval.jsonl (`summarize`, which `meshrl eval` shares).
 """
@@ -18,7 +22,7 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import EVAL, PROMPT, RESPONSE
+from meshrl.columns import EVAL, PROMPT, RESPONSE, VERSION
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
 from meshrl.observe.metrics import JsonlSink, Metrics
@@ -72,7 +76,7 @@ class Evaluation:
     ) -> None:
         """Collect evaluation rows forever; `after` runs when an evaluation completed."""
         while True:
-            batch = await client.claim(EVAL, "rollout", [PROMPT, RESPONSE], 4096, timeout=WATCH_S)
+            batch = await client.claim(EVAL, "rollout", [PROMPT, RESPONSE, VERSION], 4096, timeout=WATCH_S)
             if not batch:
                 continue
             async with pause.work():
@@ -83,6 +87,16 @@ class Evaluation:
         """Count the rows, record the evaluations they complete, persist, delete, acknowledge."""
         st = self.state
         ids = batch.ids.tolist()
+        asked = batch.meta_of("eval_version")
+        newer = [
+            (a, int(last))
+            for a, (_, last) in zip(asked, batch.tensor(VERSION).tolist(), strict=True)
+            if last != a
+        ]
+        if newer:
+            log.warning(
+                "%d evaluation rows of version %d were generated with version %d", len(newer), *newer[0]
+            )
         for rid, version, result in zip(
             ids, batch.meta_of("eval_version"), await results(self.rewards, batch, self.rows), strict=True
         ):
