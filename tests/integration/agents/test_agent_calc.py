@@ -93,3 +93,23 @@ def test_a_service_killed_mid_trajectory_loses_and_repeats_nothing(
     )
     # trajectories did span turns: completions hold the tool's replies
     assert any("<|user|>" in r["completion"] for r in rows(run_dir / "samples.jsonl"))
+
+
+def test_a_run_resumed_from_its_checkpoint_mid_trajectories_loses_and_repeats_nothing(
+    tmp_path: Path, format_model: Path
+) -> None:
+    """The trainer SIGKILLed mid-run: the whole run (environment service, trajectories in flight
+    included) resumes from its last checkpoint, and every trajectory is trained on exactly once."""
+    steps = 6
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path, f"*.model={format_model}", f"total_steps={steps}", "checkpoint_every=1",
+                 "trainer.restart.mode=on-failure", f"run_dir={run_dir}", recipe=RECIPE)  # fmt: skip
+    kill_repeatedly(proc, run_dir, "trainer", random.Random(5), range(2, steps - 1), 1, within_s=0.4)
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    (restart,) = rows(run_dir / "restarts.jsonl")
+    assert not restart.get("in_place", False), restart
+    assert (run_dir / "logs" / "trainer-0-1.log").read_text().count("==== start") == 2
+    tally = account(run_dir / "ledger.jsonl")
+    assert (tally.consumed, tally.pending, tally.duplicated, tally.unknown) == (steps * BATCH, 0, 0, 0), tally
