@@ -115,8 +115,8 @@ class FSDPEngine:
             for layer in decoder_layers(model):
                 checkpoint_layer(layer)
         if self.lora is not None:
-            if head != "lm" or self.world > 1:
-                raise ValueError("LoRA trains a policy (head 'lm') on one trainer rank")
+            if head != "lm":
+                raise ValueError("LoRA trains a policy (head 'lm')")
             model = add_adapters(model, self.lora, frozen_dtype=self.compute_dtype)
         if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
             mesh = init_device_mesh(device.type, (self.world,))
@@ -241,7 +241,7 @@ class FSDPEngine:
         both = self.head == "lm+value"
         objective = PolicyObjective(
             batch, cfg, self.device, value_head=both, temperature=self.temperature, g_tokens=g_tokens,
-            g_rows=g_rows, g_n=g_n,
+            g_rows=g_rows, g_n=g_n, ranks=self.world,
         )  # fmt: skip
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
         n_chunks = int(self._max([len(micro)]))
@@ -310,7 +310,7 @@ class FSDPEngine:
                 mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
                 mask = mb.mask.to(self.device) & (k < len(chunks))
                 loss, shares = value_terms(self.forward_values(mb), mb, mask, cfg.value_clip, g_tokens)
-                loss.backward()
+                (loss * self.world).backward()  # summed over the ranks, as the policy's (PolicyObjective)
                 for key, share in shares.items():
                     sums[key] += share
             reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
@@ -391,7 +391,7 @@ class FSDPEngine:
         """The parameters inference generates with (the actor-critic's value head is not one; with LoRA,
         the base's with the adapters merged in)."""
         if self.lora is not None:
-            return list(merged_parameters(self.model))
+            return merged_parameters(self.model)
         return [(n, p) for n, p in self.model.named_parameters() if not n.startswith("value_head.")]
 
     def manifest(self) -> list[tuple[str, tuple[int, ...], str]]:
@@ -422,14 +422,27 @@ class FSDPEngine:
         )
 
     def _save_adapter(self, path: str, source: str | None) -> None:
+        """Collective over the ranks (the shards are gathered); rank 0 writes."""
         assert self.lora is not None
+        full = None
+        if self.world > 1:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full = get_model_state_dict(self.model, options=options)
+        merged = None
+        if self.lora.save_merged:
+            named = merged_parameters(self.model)
+            tensors = full_tensors([t for _, t in named], self.world, 64 << 20)
+            merged = {n: t.detach().cpu() for (n, _), t in zip(named, tensors, strict=True)}
+        if self.rank != 0:
+            return
         self.model.peft_config[ADAPTER].base_model_name_or_path = source
-        self.model.save_pretrained(path)
+        self.model.save_pretrained(path, state_dict=full)
         if source is not None:
             checkpoints.carry_over(source, path)
-        if self.lora.save_merged:
-            state = {n: t.detach().cpu() for n, t in merged_parameters(self.model)}
-            checkpoints.write_pretrained(state, self.hf_config, os.path.join(path, "merged"), source=source)
+        if merged is not None:
+            checkpoints.write_pretrained(merged, self.hf_config, os.path.join(path, "merged"), source=source)
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and step count, sharded as trained (torch.distributed.checkpoint; collective).

@@ -40,8 +40,14 @@ def train_dropout(model: Any) -> None:
 
 
 @torch.no_grad()
-def merged_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of each parameter of the plain model, with the adapters' updates merged in."""
+def merged_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each parameter of the plain model, with the adapters' updates merged in.
+    Sharded over the trainer's ranks (FSDP2) the tensors are sharded as the base's (the product of
+    the adapter's two shards is formed by DTensor, a collective: every rank calls this)."""
+    return list(_merged(model))
+
+
+def _merged(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     base = model.get_base_model()
     for name, p in base.named_parameters():
         if ".lora_" in name:

@@ -34,7 +34,9 @@ from meshrl.engines.packing import TrainBatch
 class PolicyObjective:
     """One optimizer step of the policy: each micro-batch's loss, backpropagated as it comes, and the
     step's metrics summed over micro-batches. The counts are over every data-parallel rank: `g_tokens`
-    response tokens, `g_rows` rows that have any, `g_n` rows."""
+    response tokens, `g_rows` rows that have any, `g_n` rows. So each rank's loss is its share of the
+    whole batch's, and the gradient wanted is the sum of the ranks' gradients; FSDP averages them, so
+    what is backpropagated is the loss times `ranks`."""
 
     def __init__(
         self,
@@ -47,8 +49,9 @@ class PolicyObjective:
         g_tokens: float,
         g_rows: float,
         g_n: float,
+        ranks: int = 1,
     ) -> None:
-        self.cfg, self.device, self.temperature = cfg, device, temperature
+        self.cfg, self.device, self.temperature, self.ranks = cfg, device, temperature, ranks
         # a step without tokens (every sample failed to score) has loss 0, not 0 / 0
         self.g_tokens, self.g_rows = g_tokens, max(g_rows, 1.0)
         self.normalizer = max(g_tokens if cfg.loss_agg == "token-mean" else g_n, 1.0)
@@ -94,7 +97,7 @@ class PolicyObjective:
         for name, teacher in mb.teachers.items():
             assert logits is not None, "distillation needs the whole logits (the engine computes them)"
             loss = self._distill(loss, name, teacher, lp, logits, mask)
-        loss.backward()
+        (loss * self.ranks).backward()
         weight = float(mask.sum()) / tokens
         with torch.no_grad():
             k3 = kl(lp.detach(), behaviour, "k3")

@@ -250,10 +250,6 @@ class TrainerConfig(ServiceConfig):
         if group.replicas != 1:
             problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
         world = max(1, group.devices_per_replica)
-        if self.lora.rank and world > 1:
-            problems.append(
-                "lora: adapters are trained on one trainer device (devices_per_replica=1) for now"
-            )
         if recipe.prompts_per_step % (world * self.mini_batches):
             problems.append(
                 f"mini_batches: the recipe's prompts_per_step ({recipe.prompts_per_step}) must divide into "

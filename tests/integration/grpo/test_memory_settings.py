@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.grpo.test_grpo import rows, run
 
@@ -44,3 +45,24 @@ def test_grpo_learns_with_lora(arith_model, tmp_path):
         f"reward did not improve enough: first 10 steps {first:.3f}, last 10 {last:.3f}"
     )
     assert (run_dir / "final" / "adapter_config.json").exists()
+
+
+def test_lora_on_two_trainer_ranks_checkpoints_and_saves_one_adapter(arith_model, tmp_path):
+    """LoRA under FSDP2 over two gloo ranks: the run checkpoints, finishes, and rank 0 writes one adapter
+    (gathered from the shards) whose merge into the base is the merged model it saved beside it."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={run_dir}", "total_steps=3", "checkpoint_every=2",
+            "rollout.eval_every=0", "trainer.devices_per_replica=2", *MEMORY, *LORA,
+            "trainer.lora.save_merged=true")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    merged = load_file(run_dir / "final" / "merged" / "model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(arith_model)
+    ours = PeftModel.from_pretrained(base, run_dir / "final").merge_and_unload().state_dict()
+    assert any(not torch.equal(ours[k], v) for k, v in load_file(arith_model / "model.safetensors").items())
+    for name, tensor in merged.items():
+        torch.testing.assert_close(ours[name].to(tensor.dtype), tensor, rtol=1e-3, atol=1e-3)

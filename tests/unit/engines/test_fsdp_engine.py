@@ -200,7 +200,7 @@ def update_grads(engine: FSDPEngine, b, cfg: TrainerConfig) -> tuple[dict[str, f
     step = engine._step
 
     def capture(**kw):
-        seen.extend(p.grad.clone() for p in engine.model.parameters())
+        seen.extend(p.grad.clone() for p in engine.model.parameters() if p.requires_grad)
         return step(**kw)
 
     engine._step = capture  # type: ignore[method-assign]
