@@ -23,6 +23,8 @@ from meshrl.dataplane.core import ClientCore, DataPlaneError, raise_for
 from meshrl.dataplane.rpc_client import AsyncRpcClient
 from meshrl.dataplane.wire import connect_client
 
+CLAIM_GRACE_S = 900.0
+
 
 class AsyncClient:
     def __init__(self, rpc: AsyncRpcClient, *, secret: str | None, name: str | None, timeout: float) -> None:
@@ -125,7 +127,10 @@ class AsyncClient:
         lease: float = 60.0,
     ) -> Batch:
         msg = P.Claim(partition, consumer, list(columns), n, min_n, group_size, timeout, lease)
-        reply = await self._call(msg, timeout + self.timeout)
+        # the controller answers a parked claim within `timeout`; the client's own guard is generous, since
+        # it runs on this event loop, which a service may hold for minutes (a real model's generation
+        # batch): a closed connection is noticed at once anyway
+        reply = await self._call(msg, timeout + CLAIM_GRACE_S)
         if not reply.ids:
             return Batch(partition, consumer, 0, np.empty(0, dtype=np.int64), None, {})
         fetched: dict[tuple[int, int, int], Any] | None = None
