@@ -3,11 +3,11 @@
 At version 0, every `eval_every` versions and at the final version, rollout writes each held-out prompt
 into the `eval` partition once for a greedy completion and `eval_samples` times for sampled ones, all
 tagged with that version. In lock-step inference generates them with exactly it: rollout scores
-nothing generated with a version before that version's evaluation rows are put (`scoring.py`), so
-the trainer cannot move on first, and inference finishes an evaluation batch on the weights it began
-with. A run that goes ahead of its trainer (window > 1 or none) may evaluate on a newer version; the
-log says how many rows were. When every row of a version is
-back, its greedy and sampled accuracy (the mean reward), pass@k and each reward function's mean are
+nothing generated with a version before that version's evaluation is complete (`scoring.py`), so the
+trainer cannot move on first (the evaluation's generation is then on the step's critical path), and
+inference finishes an evaluation batch on the weights it began with. A run that goes ahead of its
+trainer (window > 1 or none) may evaluate on a newer version; the log says how many rows were. When
+every row of a version is back, its greedy and sampled accuracy (the mean reward), pass@k and each reward function's mean are
 appended to <run_dir>/eval.jsonl (`summarize`, which `meshrl eval` shares).
 """
 

@@ -84,7 +84,7 @@ class Scoring:
         gate_counted: Callable[[int], Awaitable[None]],
     ) -> None:
         self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
-        self.gate_counted = gate_counted  # until the gate of a version is counted (its evaluation put)
+        self.gate_counted = gate_counted  # until a version's gate is counted and its evaluation complete
         self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
         self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
         self.kl = AdaptiveKL(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -105,8 +105,8 @@ class Scoring:
             )  # fmt: skip
             if not batch:
                 continue
-            # a version's evaluation rows reach the data plane before anything generated with it is
-            # scored: the trainer cannot move past a version before inference has its evaluation
+            # a version's evaluation is generated before anything generated with it is scored: the
+            # trainer cannot move past a version before inference has evaluated it
             await self.gate_counted(max(int(v or 0) for v in batch.meta_of("min_version", 0)))
             async with pause.work():
                 if await self.score(client, batch, persist):

@@ -129,7 +129,7 @@ class RolloutService(Service):
         self.pause = pause = ckpt.Pause()
         run_over = asyncio.create_task(self.watch_run(client))
         all_done = asyncio.create_task(self.done.wait())
-        self.gates = asyncio.Condition()
+        self.progress = asyncio.Event()  # a gate counted, or an evaluation complete
         self.last_gate = self.state.last_gate  # the last gate whose effects are in the data plane
         tasks: set[asyncio.Task[None]] = set()
         try:
@@ -139,7 +139,7 @@ class RolloutService(Service):
                 self.watch_gates(),
                 self.feed.run(client, pause, self.persist),
                 self.scoring.run(client, pause, self.persist, after=self.scored),
-                self.evaluation.run(client, pause, self.persist, after=self.check_done),
+                self.evaluation.run(client, pause, self.persist, after=self.evaluated),
                 ckpt.take_part(client, self.ctx.name, pause, self.save),
             )
             tasks = {asyncio.create_task(job) for job in jobs}
@@ -176,6 +176,10 @@ class RolloutService(Service):
             scored=st.scored, failed=st.failed, skipped=st.skipped, filtered=st.filtered
         )
 
+    def evaluated(self) -> None:
+        self.progress.set()
+        self.check_done()
+
     def check_done(self) -> None:
         """The run is over for rollout once the final version is in and its evaluation recorded."""
         st = self.state
@@ -200,14 +204,16 @@ class RolloutService(Service):
                 )
                 await self.client.ack(batch)
                 self.feed.changed.set()
-            async with self.gates:
-                self.last_gate = st.last_gate
-                self.gates.notify_all()
+            self.last_gate = st.last_gate
+            self.progress.set()
 
     async def gate_counted(self, version: int) -> None:
-        """Until the gate of `version` is counted and its evaluation's rows are put."""
-        async with self.gates:
-            await self.gates.wait_for(lambda: self.last_gate >= version)
+        """Until the gate of `version` is counted and the evaluations of it and of earlier versions are
+        complete: scoring what was generated with `version` lets the trainer move past it, and an
+        evaluation must be generated with the weights it measures."""
+        while self.last_gate < version or any(v <= version for v in self.state.eval_pending):
+            self.progress.clear()
+            await self.progress.wait()
 
     async def gate(self, version: int, final: bool) -> None:
         st = self.state
