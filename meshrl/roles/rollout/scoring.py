@@ -81,10 +81,10 @@ class Scoring:
         rows: list[dict[str, Any]],
         on_refill: Callable[[], None],
         sink: Sink,
-        gate_counted: Callable[[int], Awaitable[None]],
+        until_evaluated: Callable[[int], Awaitable[None]],
     ) -> None:
         self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
-        self.gate_counted = gate_counted  # until a version's gate is counted and its evaluation complete
+        self.until_evaluated = until_evaluated  # a version's gate counted and its evaluation complete
         self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
         self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
         self.kl = AdaptiveKL(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
@@ -107,7 +107,7 @@ class Scoring:
                 continue
             # a version's evaluation is generated before anything generated with it is scored: the
             # trainer cannot move past a version before inference has evaluated it
-            await self.gate_counted(max(int(v or 0) for v in batch.meta_of("min_version", 0)))
+            await self.until_evaluated(max(int(v or 0) for v in batch.meta_of("min_version", 0)))
             async with pause.work():
                 if await self.score(client, batch, persist):
                     self.check_filtered()

@@ -69,7 +69,7 @@ class RolloutService(Service):
         self.feed = Feed(cfg, ctx.recipe, self.state, train_rows, encoded, seed=seed, name=ctx.name)
         self.scoring = Scoring(
             cfg, ctx.recipe, self.state, rewards, train_rows, on_refill=self.feed.changed.set,
-            sink=self.sink("rewards.jsonl", predecessor), gate_counted=self.gate_counted,
+            sink=self.sink("rewards.jsonl", predecessor), until_evaluated=self.until_evaluated,
         )  # fmt: skip
         self.evaluation = Evaluation(
             cfg, self.state, eval_rows, encoded, rewards, self.sink("eval.jsonl", predecessor)
@@ -130,7 +130,6 @@ class RolloutService(Service):
         run_over = asyncio.create_task(self.watch_run(client))
         all_done = asyncio.create_task(self.done.wait())
         self.progress = asyncio.Event()  # a gate counted, or an evaluation complete
-        self.last_gate = self.state.last_gate  # the last gate whose effects are in the data plane
         tasks: set[asyncio.Task[None]] = set()
         try:
             for key in list(self.state.pending):  # a predecessor's puts that may not have happened, first
@@ -204,14 +203,13 @@ class RolloutService(Service):
                 )
                 await self.client.ack(batch)
                 self.feed.changed.set()
-            self.last_gate = st.last_gate
             self.progress.set()
 
-    async def gate_counted(self, version: int) -> None:
+    async def until_evaluated(self, version: int) -> None:
         """Until the gate of `version` is counted and the evaluations of it and of earlier versions are
         complete: scoring what was generated with `version` lets the trainer move past it, and an
         evaluation must be generated with the weights it measures."""
-        while self.last_gate < version or any(v <= version for v in self.state.eval_pending):
+        while self.state.last_gate < version or any(v <= version for v in self.state.eval_pending):
             self.progress.clear()
             await self.progress.wait()
 
