@@ -71,6 +71,7 @@ class VLLMEngine(InferenceEngine):
         max_model_len: int | None = None,
         kv_cache_gb: float = 1.0,
         threads: int = 0,
+        gpu_memory_fraction: float = 0.9,
         work_dir: str | None = None,
         seed: int = 0,
     ) -> None:
@@ -97,6 +98,7 @@ class VLLMEngine(InferenceEngine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
         from vllm import LLM
 
+        gpu = {"gpu_memory_utilization": gpu_memory_fraction} if device.startswith("cuda") else {}
         self.vocab_size = self.facts.vocab_size
         self.tied = self.facts.tied
         self._eos = self.facts.eos
@@ -110,6 +112,7 @@ class VLLMEngine(InferenceEngine):
             logprobs_mode="processed_logprobs",
             seed=seed,
             worker_extension_cls="meshrl.engines.vllm_worker.WeightReceiver",
+            **gpu,
         )
         self.rpc = threading.Lock()  # one caller of vLLM's engine client at a time
         self.engine = self.llm.llm_engine

@@ -71,15 +71,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def vocabulary() -> dict[str, int]:
-    """Token -> id: special tokens first, then `CHARACTERS` in order, each in byte-level form."""
+def vocabulary(size: int | None = None) -> dict[str, int]:
+    """Token -> id: special tokens first, then `CHARACTERS` in order, each in byte-level form; with `size`,
+    filler tokens ``w<id>`` up to that many (see `build_tokenizer`)."""
     chars = [c if c != " " else BYTE_LEVEL_SPACE for c in CHARACTERS]
-    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *chars))}
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *chars))}
+    return vocab | {f"w{i}": i for i in range(len(vocab), size or 0)}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer (see the module docstring for its vocabulary and template)."""
-    core = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token=UNK_FALLBACK))
+def build_tokenizer(size: int | None = None) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer (see the module docstring for its vocabulary and template).
+
+    `size`: the vocabulary padded with filler tokens ``w<id>`` to that many, for a random-init model of a
+    real model's vocabulary (benchmarks/gpu_check.py): every id it samples then decodes to some text.
+    Encoding never produces a filler (text is cut into single characters first)."""
+    core = Tokenizer(models.WordLevel(vocab=vocabulary(size), unk_token=UNK_FALLBACK))
     # Special tokens are matched first; the rest is cut into single characters, each then spelled as
     # its bytes (an unsupported character thus becomes one unknown pre-token, one `?`).
     core.pre_tokenizer = pre_tokenizers.Sequence(

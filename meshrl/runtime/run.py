@@ -1,8 +1,11 @@
-"""`meshrl run RECIPE [--devices N] [key=value ...]`: one host, one command.
+"""`meshrl run RECIPE [--devices N | --devices 0,0,...] [key=value ...]`: one host, one command.
 
 Validates the recipe and plans it before anything starts (a bad recipe fails here with every problem
 listed), then runs the launcher in this process, owning every device slot of the host (on CPU a device
 is a virtual slot): no torchrun, and no torch in this process (the launch's zygote imports it).
+`--devices N` gives the host N device slots, slot i on GPU i; `--devices 0,0` names each slot's GPU, so
+that two slots can share one (inference and trainer side by side on a single large GPU; give vLLM a
+`inference.vllm.gpu_memory_fraction` that leaves the trainer room).
 
 When a service fails and its group's restart policy is "on-failure", the whole run is started again
 from the latest complete checkpoint (or from the start if there is none yet), up to `max_restarts`
@@ -34,7 +37,11 @@ def main(argv: list[str]) -> int:
     signals = Signals()  # from here on a Ctrl-C stops the run cleanly, at any point
     ap = argparse.ArgumentParser(prog="meshrl run", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe file (a Python file with recipe() -> Recipe)")
-    ap.add_argument("--devices", type=int, default=None, help="device slots (default: what the recipe needs)")
+    ap.add_argument(
+        "--devices", type=_device_slots, default=None,
+        help="device slots: a count, or each slot's GPU index (0,0: two slots on GPU 0); default: what the "
+        "recipe needs",
+    )  # fmt: skip
     ap.add_argument(
         "--resume", action="store_true", help="continue from the run directory's latest checkpoint"
     )
@@ -89,9 +96,23 @@ def main(argv: list[str]) -> int:
         return 128 + e.signum
 
 
+def _device_slots(text: str) -> list[int]:
+    """`--devices`: "N" -> GPUs [0, ..., N-1]; "0,0,1" -> those GPUs, one per slot."""
+    try:
+        gpus = list(range(int(text))) if "," not in text else [int(g) for g in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a count or comma-separated GPU indices, not {text!r}") from None
+    if not gpus or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"at least one slot, GPU indices >= 0, not {text!r}")
+    return gpus
+
+
 def _devices(args: argparse.Namespace) -> list[Device] | None:
-    """The host's device slots: as many as asked for, else (None) as many as the recipe needs."""
-    return None if args.devices is None else [Device(r, host_id(), r) for r in range(args.devices)]
+    """The host's device slots: as asked for (slot r on GPU args.devices[r]), else (None) as many as the
+    recipe needs."""
+    if args.devices is None:
+        return None
+    return [Device(r, host_id(), gpu) for r, gpu in enumerate(args.devices)]
 
 
 def _failed(run_dir: Path) -> tuple[str, str]:

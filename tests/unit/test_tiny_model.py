@@ -147,3 +147,13 @@ def test_llama_arch_and_shape_options(tmp_path: Path) -> None:
 def test_rejects_unknown_arch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch"):
         build_tiny_model(tmp_path / "x", arch="gpt2")
+
+
+def test_a_padded_vocabulary_decodes_every_id_and_encodes_as_before(tok, tmp_path: Path) -> None:
+    padded = build_tokenizer(4096)
+    assert len(padded) == 4096
+    text = "what is 3+4? 7"
+    assert padded.encode(text) == tok.encode(text)
+    assert padded.decode([4, 1000, 4095, 5]) == "0w1000w40951"
+    padded.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).decode([1000]) == "w1000"

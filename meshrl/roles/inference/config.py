@@ -33,6 +33,9 @@ class VLLMSettings:
 
     kv_cache_gb: float = 1.0
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU vLLM sizes it from free memory."""
+    gpu_memory_fraction: float = 0.9
+    """On GPU, the share of the GPU's memory vLLM may take for weights, activations and KV cache (its
+    `gpu_memory_utilization`); lower it when another slot shares the GPU (`meshrl run --devices 0,0`)."""
     max_model_len: int | None = None
     """Longest prompt + completion (None: the model's own limit)."""
 
@@ -85,6 +88,8 @@ class InferenceConfig(ServiceConfig):
     """torch threads of this process (0: leave the default)."""
 
     def validate(self) -> Iterator[str]:
+        if not 0 < self.vllm.gpu_memory_fraction <= 1:
+            yield "vllm.gpu_memory_fraction: must be in (0, 1]"
         if self.max_new_tokens < 1:
             yield "max_new_tokens: must be >= 1"
         if self.max_batch < 1:

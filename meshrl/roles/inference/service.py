@@ -456,7 +456,7 @@ def build_engine(
         return VLLMEngine(
             cfg.model, device=device, loader_kwargs=cfg.loader_kwargs, max_batch_size=cfg.max_batch,
             max_model_len=cfg.vllm.max_model_len, kv_cache_gb=cfg.vllm.kv_cache_gb, threads=cfg.threads,
-            work_dir=work_dir, seed=seed,
+            gpu_memory_fraction=cfg.vllm.gpu_memory_fraction, work_dir=work_dir, seed=seed,
         )  # fmt: skip
     if cfg.engine == "sglang":
         from meshrl.engines.sglang import SGLangEngine

@@ -166,6 +166,10 @@ def test_a_bad_recipe_fails_before_anything_starts(tmp_path):
     assert r.returncode == 2 and "override 'consumer.expect=lots'" in r.stderr
     r = meshrl("run", COUNTER, "--devices", "3", cwd=tmp_path)
     assert r.returncode == 2 and "3 devices but the recipe uses 2" in r.stderr
+    r = meshrl("run", COUNTER, "--devices", "0,0,1", cwd=tmp_path)  # three slots (two sharing GPU 0)
+    assert r.returncode == 2 and "3 devices but the recipe uses 2" in r.stderr
+    r = meshrl("run", COUNTER, "--devices", "0,x", cwd=tmp_path)
+    assert r.returncode == 2 and "a count or comma-separated GPU indices, not '0,x'" in r.stderr
     r = meshrl("run", str(tmp_path / "missing.py"), cwd=tmp_path)
     assert r.returncode == 2 and "does not exist" in r.stderr
     assert not (tmp_path / "runs").exists()
