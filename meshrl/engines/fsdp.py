@@ -37,7 +37,7 @@ from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
 from meshrl.engines.building import checkpoint_layer, decoder_layers, load, mixed_precision
 from meshrl.engines.gather import full_tensors
-from meshrl.engines.lora import ADAPTER, add_adapters, merged_parameters, train_dropout
+from meshrl.engines.lora import ADAPTER, adapter_parameters, add_adapters, merged_parameters, train_dropout
 from meshrl.engines.objective import PolicyObjective, value_terms
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import TrainBatch, token_micro_batches
@@ -64,6 +64,7 @@ class FSDPEngine:
         activation_checkpointing: bool = False,
         logits_chunk: int = 1024,
         lora: Any = None,
+        publish_adapters: bool = False,
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
@@ -82,7 +83,8 @@ class FSDPEngine:
         recomputes the rest. `logits_chunk`: positions whose logits exist at a time when the policy's
         log-probs are computed (`chunked.head_logprobs`); 0 computes the micro-batch's whole logits, as
         on-policy distillation always does (its top-k KL reads them). `lora` (rank, alpha, target_modules,
-        dropout, save_merged; rank 0 or None: full fine-tuning): train LoRA adapters only (`lora.py`)."""
+        dropout, save_merged; rank 0 or None: full fine-tuning): train LoRA adapters only (`lora.py`), and
+        publish them merged into the base or, with `publish_adapters`, alone."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -91,6 +93,7 @@ class FSDPEngine:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
         self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.publish_adapters = publish_adapters and self.lora is not None
         torch.manual_seed(seed)
         self.head = head
         self.temperature = temperature
@@ -389,7 +392,9 @@ class FSDPEngine:
 
     def _policy_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters inference generates with (the actor-critic's value head is not one; with LoRA,
-        the base's with the adapters merged in)."""
+        the base's with the adapters merged in, or the adapters alone for an engine that applies them)."""
+        if self.publish_adapters:
+            return adapter_parameters(self.model)
         if self.lora is not None:
             return merged_parameters(self.model)
         return [(n, p) for n, p in self.model.named_parameters() if not n.startswith("value_head.")]

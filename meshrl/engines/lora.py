@@ -1,9 +1,13 @@
-"""LoRA adapters on the policy (PEFT): the trainer learns low-rank updates, inference gets merged weights.
+"""LoRA adapters on the policy (PEFT): the trainer learns low-rank updates, inference gets them merged in
+or, where its engine applies adapters itself, the adapters alone.
 
 Only the adapters are trainable, so the optimizer state and the gradients are those of a few million
 parameters, and the frozen base needs no float32 master copy: under mixed precision it is kept in the
-compute dtype. Inference engines load plain models, so what is published is the base with each
-adapter's update merged in (`merged_parameters`), under the plain model's parameter names.
+compute dtype. What is published is the base with each adapter's update merged in
+(`merged_parameters`, under the plain model's parameter names: any engine loads it), or, when every
+inference group the trainer feeds runs vLLM (`TrainerConfig.publishes_adapters`), only the adapter
+matrices (`adapter_parameters`, named as PEFT saves them), which vLLM loads as a LoRA adapter: a
+publication moves megabytes instead of the whole model.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ def train_dropout(model: Any) -> None:
     for name, module in model.named_modules():
         if ".lora_dropout." in f"{name}.":
             module.train()
+
+
+def adapter_parameters(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each adapter matrix, named as PEFT saves an adapter
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`); sharded like its layer."""
+    return [(n.replace(f".{ADAPTER}.", "."), p) for n, p in model.named_parameters() if ".lora_" in n]
 
 
 @torch.no_grad()

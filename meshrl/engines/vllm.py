@@ -17,6 +17,12 @@ then `reset_prefix_cache()` (cached prefixes hold KV of the old weights). Tensor
 `load_weights` directly are buffered, then, once every part of a version is in (`set_version`),
 written as one safetensors file that the workers reload (`reload_weights(weights_path=...)`).
 
+With `adapters` (a trainer that trains LoRA adapters and publishes them alone, `meshrl.engines.lora`)
+vLLM starts with LoRA enabled; each version's adapter matrices come through `load_weights` (a few
+megabytes: no worker-side transport) and are written as a PEFT adapter that vLLM loads in place of the
+previous one (one adapter id, `load_inplace`), and every request from then on runs with it. The base
+weights never change.
+
 On CPU, vLLM's engine core runs inside the inference service's process (VLLM_ENABLE_V1_MULTIPROCESSING=0
 unless set otherwise): as its own process it busy-waits on a shared-memory queue for a second after
 every message, taking a core from the trainer of a CPU-only machine each step. On GPU vLLM keeps its
@@ -51,6 +57,8 @@ from meshrl.engines.base import (
 from meshrl.engines.served import ModelFacts, request_seeds
 
 INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+POLICY_LORA_ID = 1
 SHUTDOWN_S = 30.0  # grace for vLLM's processes to exit (and unlink their shared memory) on close
 
 
@@ -74,11 +82,14 @@ class VLLMEngine(InferenceEngine):
         gpu_memory_fraction: float = 0.9,
         work_dir: str | None = None,
         seed: int = 0,
+        adapters: Any = None,
     ) -> None:
+        """`adapters`: the trainer's LoRA settings (rank, alpha) when it publishes adapters alone."""
         super().__init__()
         if not available():
             raise ImportError(f"the vLLM engine needs vLLM: {INSTALL}")
         self.facts = ModelFacts.of(model_path)
+        self.model_path = model_path
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="meshrl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("VLLM_CACHE_ROOT", str(self.work_dir / "cache"))
@@ -99,6 +110,14 @@ class VLLMEngine(InferenceEngine):
         from vllm import LLM
 
         gpu = {"gpu_memory_utilization": gpu_memory_fraction} if device.startswith("cuda") else {}
+        self.adapters = adapters if adapters is not None and adapters.rank > 0 else None
+        lora: dict[str, Any] = {}
+        if self.adapters is not None:
+            if self.adapters.rank > LORA_RANKS[-1]:
+                raise ValueError(f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, not {self.adapters.rank}")
+            rank = next(r for r in LORA_RANKS if r >= self.adapters.rank)
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        self.lora_request: Any = None  # the newest adapter, once one has arrived
         self.vocab_size = self.facts.vocab_size
         self.tied = self.facts.tied
         self._eos = self.facts.eos
@@ -113,6 +132,7 @@ class VLLMEngine(InferenceEngine):
             seed=seed,
             worker_extension_cls="meshrl.engines.vllm_worker.WeightReceiver",
             **gpu,
+            **lora,
         )
         self.rpc = threading.Lock()  # one caller of vLLM's engine client at a time
         self.engine = self.llm.llm_engine
@@ -124,15 +144,23 @@ class VLLMEngine(InferenceEngine):
     def parameters(self) -> list[tuple[str, tuple[int, ...], str]]:
         return list(self.facts.listing)
 
-    def weight_member(self) -> _Member:
-        return _Member(self)
+    def weight_member(self) -> _Member | None:
+        """Adapters come through `load_weights` (small); whole models straight into the workers."""
+        return None if self.adapters is not None else _Member(self)
 
     def _call(self, method: str, *args: Any) -> None:
         with self.rpc:
             self.llm.collective_rpc(method, args=args)
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in self.facts.checked(named):
+        if self.adapters is not None:
+            named = list(named)
+            for name, _ in named:
+                if ".lora_A." not in name and ".lora_B." not in name:
+                    raise ValueError(f"this engine takes LoRA adapter matrices, not {name!r}")
+        else:
+            named = self.facts.checked(named)
+        for name, tensor in named:
             self._staged.append((name, tensor.detach().to("cpu", copy=True)))
 
     def set_version(self, version: int) -> None:
@@ -140,6 +168,8 @@ class VLLMEngine(InferenceEngine):
         update cut short, whose parts are dropped)."""
         if version < 0:
             self._staged = []
+        if self._staged and self.adapters is not None:
+            self._load_adapter()
         if self._staged:
             from safetensors.torch import save_file
 
@@ -153,6 +183,29 @@ class VLLMEngine(InferenceEngine):
                     self.llm.collective_rpc("meshrl_retie")
                 self.llm.reset_prefix_cache()
         super().set_version(version)
+
+    def _load_adapter(self) -> None:
+        """The staged adapter matrices as a PEFT adapter that vLLM loads in place of the previous one."""
+        import json
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        assert self.adapters is not None
+        path = self.work_dir / "adapter"
+        path.mkdir(exist_ok=True)
+        modules = sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name, _ in self._staged})
+        rank = next(t.shape[0] for name, t in self._staged if ".lora_A." in name)
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": self.adapters.alpha,
+                  "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                  "use_rslora": False, "base_model_name_or_path": self.model_path}  # fmt: skip
+        save_file(dict(self._staged), str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        self._staged = []
+        with self.rpc:
+            self.engine.add_lora(LoRARequest("policy", POLICY_LORA_ID, str(path), load_inplace=True))
+            self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the previous adapter
+        self.lora_request = LoRARequest("policy", POLICY_LORA_ID, str(path))
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -190,8 +243,9 @@ class VLLMEngine(InferenceEngine):
             ids[rid] = i
             with self.rpc:
                 self.engine.add_request(
-                    rid, {"prompt_token_ids": list(prompt)}, self._params(params, seed, params.max_new_tokens)
-                )
+                    rid, {"prompt_token_ids": list(prompt)}, self._params(params, seed, params.max_new_tokens),
+                    lora_request=self.lora_request,
+                )  # fmt: skip
         out: list[Completion | None] = [None] * len(prompts)
         latest: dict[str, Any] = {}
         while self.engine.has_unfinished_requests():
@@ -222,8 +276,9 @@ class VLLMEngine(InferenceEngine):
                          prompt_logprobs=0, detokenize=False)  # fmt: skip
         with self.rpc:
             results = self.llm.generate(
-                [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
-            )
+                [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False,
+                lora_request=self.lora_request,
+            )  # fmt: skip
         out = []
         for seq, start, r in zip(sequences, prompt_lens, results, strict=True):
             lps = r.prompt_logprobs  # position j: logprob of token j given the ones before (None at 0)

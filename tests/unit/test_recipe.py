@@ -95,3 +95,21 @@ def test_the_trainers_mini_batches_must_hold_whole_groups_on_every_rank(tiny_mod
         GRPO, [f"*.model={tiny_model}", "prompts_per_step=12", "trainer.mini_batches=3"]
     )
     assert recipe.batch_size == 96 and topology.replicas_of("trainer")
+
+
+def test_a_lora_trainer_publishes_adapters_alone_only_when_every_inference_group_runs_vllm() -> None:
+    def publishes(*overrides: str) -> bool:
+        recipe = read_recipe(REPO / "recipes" / "grpo_arith.py").with_overrides(list(overrides))
+        trainer = recipe.group("trainer").config
+        assert isinstance(trainer, TrainerConfig)
+        return trainer.publishes_adapters(recipe)
+
+    assert publishes("trainer.lora.rank=8", "inference.engine=vllm")
+    assert not publishes("trainer.lora.rank=8")  # the HF engine loads merged weights
+    assert not publishes("inference.engine=vllm")  # full fine-tuning
+
+
+def test_vllm_gpu_memory_fraction_is_checked() -> None:
+    recipe = read_recipe(REPO / "recipes" / "grpo_arith.py")
+    with pytest.raises(RecipeError, match=r"vllm.gpu_memory_fraction: must be in \(0, 1\]"):
+        recipe.with_overrides(["inference.vllm.gpu_memory_fraction=0"])

@@ -99,10 +99,13 @@ class InferenceService(Service):
 
     def build_engine(self) -> InferenceEngine:
         ctx = self.ctx
+        trainer = ctx.recipe.group(self.config.trainer).config
+        assert isinstance(trainer, TrainerConfig)
         return build_engine(
             self.config, device=str(ctx.device), seed=ctx.recipe.seed, replica=ctx.replica.index,
             work_dir=str(ctx.run_dir / "vllm" / ctx.name),
             model=None if self.trainer is None else self.trainer.engine.model,
+            adapters=trainer.lora if trainer.publishes_adapters(ctx.recipe) else None,
         )  # fmt: skip
 
     def run(self) -> None:
@@ -443,9 +446,11 @@ def build_engine(
     replica: int = 0,
     work_dir: str | None = None,
     model: Any = None,
+    adapters: Any = None,
 ) -> InferenceEngine:
     """The engine `cfg` names, on `device` (`model`: a trainer's live model to generate with, in a
-    hybrid ring). Shared by the inference service and `meshrl eval`, so both generate alike."""
+    hybrid ring; `adapters`: the trainer's LoRA settings when it publishes adapters alone, to vLLM).
+    Shared by the inference service and `meshrl eval`, so both generate alike."""
     if cfg.engine == "sim":
         from meshrl.engines.sim import SimInferenceEngine
 
@@ -456,7 +461,7 @@ def build_engine(
         return VLLMEngine(
             cfg.model, device=device, loader_kwargs=cfg.loader_kwargs, max_batch_size=cfg.max_batch,
             max_model_len=cfg.vllm.max_model_len, kv_cache_gb=cfg.vllm.kv_cache_gb, threads=cfg.threads,
-            gpu_memory_fraction=cfg.vllm.gpu_memory_fraction, work_dir=work_dir, seed=seed,
+            gpu_memory_fraction=cfg.vllm.gpu_memory_fraction, work_dir=work_dir, seed=seed, adapters=adapters,
         )  # fmt: skip
     if cfg.engine == "sglang":
         from meshrl.engines.sglang import SGLangEngine

@@ -240,6 +240,12 @@ class TrainerConfig(ServiceConfig):
     def retention(self) -> Columns:
         return {SAMPLES: ("trainer",)}
 
+    def publishes_adapters(self, recipe: Recipe) -> bool:
+        """Whether publications carry the LoRA adapters alone (every inference group this trainer feeds
+        runs vLLM, which applies adapters itself) rather than the base with them merged in."""
+        engines = {getattr(g.config, "engine", None) for g in recipe.groups if g.id in self.inference}
+        return self.lora.rank > 0 and engines == {"vllm"}
+
     def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
         from meshrl.roles.inference.config import InferenceConfig
         from meshrl.roles.rollout.config import RolloutConfig

@@ -77,7 +77,7 @@ class TrainerService(Service):
                 cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed,
                 head="lm+value" if cfg.value_head else "lm", temperature=recipe.temperature,
                 precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
-                logits_chunk=cfg.logits_chunk, lora=cfg.lora,
+                logits_chunk=cfg.logits_chunk, lora=cfg.lora, publish_adapters=cfg.publishes_adapters(recipe),
             )  # fmt: skip
         # the actor-critic computes GAE with the rollout's settings (the planner checked there is one)
         self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)

@@ -4,6 +4,7 @@ Run by `make test-vllm` (in .venv-vllm); skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -43,6 +44,33 @@ def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_mo
     assert not shm() - before, f"vLLM left shared memory behind: {sorted(shm() - before)}"
 
 
+def test_lora_adapters_alone_reach_vllm_and_its_logprobs_match_the_trainer(tmp_path, arith_model):
+    """A trainer of LoRA adapters publishes only them (PEFT's names); vLLM loads each version as an adapter
+    in place of the last, and samples and scores with it as the trainer computes with its PEFT model."""
+    from meshrl.engines.vllm import VLLMEngine
+    from meshrl.roles.trainer.config import Lora
+
+    lora = Lora(rank=4, alpha=16.0)
+    engine = VLLMEngine(
+        str(arith_model), max_batch_size=32, threads=1, work_dir=str(tmp_path / "vllm"), adapters=lora
+    )
+    sent: list[list[str]] = []
+
+    def publish(engine, version, manifest, tensors) -> None:
+        sent.append([name for name, _, _ in manifest])
+        direct(engine, version, manifest, tensors)
+
+    try:
+        assert engine.weight_member() is None  # adapters come through load_weights
+        check_versions(engine, arith_model, publish, tolerance=1e-4, lora=lora, publish_adapters=True)
+        with pytest.raises(ValueError, match="LoRA adapter matrices"):
+            engine.load_weights([("model.embed_tokens.weight", torch.zeros(1))])
+    finally:
+        engine.close()
+    assert len(sent) == 3 and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in sent[0])
+    assert (tmp_path / "vllm" / "adapter" / "adapter_config.json").exists()
+
+
 @pytest.mark.gpu(gpus=2)
 def test_weights_broadcast_over_nccl_into_vllm_workers(tmp_path, arith_model):
     """GPU: the trainer on device 0 broadcasts over NCCL straight into vLLM's worker on device 1 (NCCL
@@ -70,3 +98,21 @@ def test_grpo_on_vllm_improves_arithmetic(tmp_path, arith_model):
     first = sum(x["reward_mean"] for x in m[:10]) / 10
     last = sum(x["reward_mean"] for x in m[-10:]) / 10
     assert last >= first + 0.1, (first, last)
+
+
+def test_a_lora_run_on_vllm_publishes_adapters_and_samples_with_them(tmp_path, arith_model):
+    """The services' path: the trainer publishes its adapters alone (shared memory -> the inference
+    service -> vLLM's LoRA), and every step's trainer logprobs agree with those vLLM sampled with."""
+    from tests.integration.grpo.test_grpo import REPO, rows, run
+
+    run_dir = tmp_path / "run"
+    r = run(tmp_path, f"*.model={arith_model}", f"run_dir={run_dir}", "total_steps=6", "rollout.eval_every=0",
+            "trainer.lora.rank=8", "trainer.lora.alpha=32", "trainer.lr=1e-3", "trainer.mini_batches=1",
+            recipe=str(REPO / "recipes" / "grpo_arith_vllm.py"), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = rows(run_dir / "metrics.jsonl")
+    assert [x["version"] for x in m] == [1, 2, 3, 4, 5, 6]
+    assert all(x["kl_behaviour"] < 1e-4 for x in m), [x["kl_behaviour"] for x in m]
+    assert max(x["grad_norm"] for x in m) > 0
+    adapter = next((run_dir / "vllm").glob("inference-*/adapter/adapter_config.json"))
+    assert json.loads(adapter.read_text())["r"] == 8

@@ -295,6 +295,35 @@ def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, 
     assert resumed.steps == 2 and all(torch.equal(a, b) for a, b in zip(params(resumed), after, strict=True))
 
 
+def test_lora_published_alone_is_a_peft_adapter_whose_merge_is_the_merged_publication(tiny_model):
+    """publish_adapters (for vLLM): the adapter matrices under PEFT's saved names (in the compute dtype);
+    PEFT loads them, and their merge into the base is what the merged publication carries."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    lora = Lora(rank=4, alpha=8.0)
+    engine = engine_with(tiny_model, lora=lora, publish_adapters=True)
+    merged = engine_with(tiny_model, lora=lora)
+    for _ in range(3):
+        engine.update_policy(varied(), Step())
+    merged.model.load_state_dict(engine.model.state_dict())
+    names = [n for n, _, _ in engine.manifest()]
+    assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
+    bf16 = engine_with(tiny_model, lora=lora, publish_adapters=True, precision="bf16-mixed")
+    assert [n for n, _, _ in bf16.manifest()] == names and {d for _, _, d in bf16.manifest()} == {"bfloat16"}
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    plain = {n: p.detach().clone() for n, p in base.named_parameters()}
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
+    result = set_peft_model_state_dict(peft, dict(zip(names, engine.get_weights(), strict=True)))
+    assert not [k for k in result.unexpected_keys if ".lora_" in k]
+    mine = peft.merge_and_unload().state_dict()
+    moved = 0.0
+    for (name, _, _), t in zip(merged.manifest(), merged.get_weights(), strict=True):
+        torch.testing.assert_close(mine[name], t, rtol=0, atol=1e-6)
+        moved = max(moved, float((t - plain[name]).abs().max()))
+    assert moved > 1e-3  # the adapters did change the model
+
+
 @pytest.mark.parametrize(
     ("kw", "dtype", "tolerance"),
     [({"lora": Lora(rank=4)}, "float32", 1e-5), ({"precision": "bf16-mixed"}, "bfloat16", 0.05)],
