@@ -87,14 +87,14 @@ def pack(
 ) -> None:
     """Copy tensors `members` (consecutive, in manifest order) into the bytes `out` in the bucket layout
     (`_runs`), checking each: one concatenation per run, not a copy per tensor (3x cheaper for 50 small
-    tensors)."""
+    tensors). Tensors on another device (a GPU trainer's, into shared memory) are copied over first."""
     for index in members:
         t = tensors[index]
         name, shape, dtype = manifest[index]
         if tuple(t.shape) != tuple(shape) or DTYPE_NAMES[t.dtype] != dtype:
             raise ValueError(f"tensor {name}: got {tuple(t.shape)} {t.dtype}, manifest says {shape} {dtype}")
     for start, size, run in _runs(manifest, members):
-        raw = [tensors[i].detach().reshape(-1).view(torch.uint8) for i in run]
+        raw = [tensors[i].detach().reshape(-1).view(torch.uint8).to(out.device) for i in run]
         torch.cat(raw, out=out[start : start + size])
 
 

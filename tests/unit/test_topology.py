@@ -328,3 +328,26 @@ def test_hybrid_ring_members_share_one_process_per_device():
         RingMember(group="trainer"), RingMember(group="ref"))),))  # fmt: skip
     msg = problems(wide, cluster(1, 4))
     assert "rings['h'].hybrid: 'trainer' has 2 devices per replica" in msg
+
+
+def test_weights_go_through_shared_memory_on_cpu_or_to_a_replica_on_the_trainers_own_gpu() -> None:
+    import torch
+
+    from meshrl.planning.topology import Process
+    from meshrl.roles.trainer.publish import over_shared_memory
+    from meshrl.runtime.weights_packing import buckets, pack, unpack
+
+    def proc(host: str, gpu: int) -> Process:
+        return Process("g", 0, 0, 0, host, gpu, True, 0, ())
+
+    trainer = proc("a", 0)
+    assert over_shared_memory("cpu", trainer, [proc("a", 1)])
+    assert over_shared_memory("cuda", trainer, [proc("a", 0), proc("a", 1)])  # --devices 0,0[,1]
+    assert not over_shared_memory("cuda", trainer, [proc("a", 1)])  # NCCL between GPUs
+    assert not over_shared_memory("cpu", trainer, [proc("b", 0)])  # another host
+    manifest = [("w", (2, 3), "float32"), ("b", (3,), "bfloat16")]
+    tensors = [torch.randn(2, 3), torch.randn(3).bfloat16()]
+    ((size, members),) = buckets(manifest, 1 << 20)
+    out = torch.empty(size, dtype=torch.uint8)
+    pack(manifest, tensors, members, out)  # (from a GPU trainer's tensors the copy crosses devices)
+    assert all(torch.equal(t, u) for t, (_, u) in zip(tensors, unpack(manifest, members, out), strict=True))

@@ -20,11 +20,21 @@ from typing import Any
 import torch
 
 from meshrl.columns import GATE, VERSION
+from meshrl.planning.topology import Process
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import ServiceContext
 from meshrl.runtime.weights import WeightGroup
 
 log = logging.getLogger("meshrl.trainer")
+
+
+def over_shared_memory(device: str, trainer: Process, receivers: list[Process]) -> bool:
+    """Whether weights go through shared memory rather than a broadcast: every receiver on the trainer's
+    host, and on CPU, or on a GPU with a receiver on the trainer's own GPU (`meshrl run --devices 0,0`:
+    NCCL refuses two ranks on one device); between GPUs NCCL's broadcast is the faster path."""
+    if any(p.host != trainer.host for p in receivers):
+        return False
+    return device == "cpu" or any(p.uses_device and p.local_rank == trainer.local_rank for p in receivers)
 
 
 class Publisher:
@@ -51,12 +61,11 @@ class Publisher:
         ctx = self.ctx
         members = [r for r in ctx.topology.replicas if r.group in inference]
         host, port = ctx.replica.weights_endpoint
-        # every receiver on this host, on CPU: the tensors go through one shared-memory segment (in the
-        # data plane's directory, named like the trainer's own segments, so it is cleaned up with them),
-        # and the group only synchronises
-        local = all(p.host == host for m in members for p in m.processes)
+        # through one shared-memory segment (in the data plane's directory, named like the trainer's own
+        # segments, so it is cleaned up with them), the group only synchronising
         shm = None
-        if ctx.device.type == "cpu" and pool is not None and local:
+        receivers = [p for m in members for p in m.processes]
+        if pool is not None and over_shared_memory(ctx.device.type, ctx.process, receivers):
             shm = (pool.directory, f"{pool.prefix}-weights")
         return WeightGroup(ctx.address(host), port, 0, 1 + len(members), device=str(ctx.device), shm=shm)
 
