@@ -86,7 +86,7 @@ def test_a_killed_launcher_leaves_no_segments(tmp_path):
 
 def test_a_finished_run_leaves_no_segments(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(tmp_path, "consumer.delay_s=0")
+    proc = start(tmp_path, "consumer.delay_s=0.02")  # 2 s of reading: long enough to see the segments
     pids = wait_for_pids(proc, run_dir, 5)
     mine = f"-producer-0-0-{pids['producer-0-0']}-"
     runs = set()
