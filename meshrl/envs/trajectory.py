@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
+from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 
 
 @dataclass

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from meshrl.columns import CHECKPOINT, CONTROL, GATE
 from meshrl.observe.trackers import Ids, Tracker, open_trackers
+from meshrl.schema import CHECKPOINT, CONTROL, GATE
 
 log = logging.getLogger("meshrl.follow")
 

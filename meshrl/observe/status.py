@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from meshrl.dataplane.wire import host_id
+from meshrl.schema import BY, EVENT, GRANT, PREEMPT, RELEASE, RING_CAPACITY
 
 if TYPE_CHECKING:
     from meshrl.dataplane import Client
@@ -90,8 +91,6 @@ def ring_state(client: Client, ring: dict[str, Any], partitions: list[dict[str, 
     A request row without a RELEASE row naming it is live: granted, it is the holder's; not granted
     yet, its member is asking. Grants carry the turn number; the arbiter keeps the last turn's rows
     until the next grant, so the highest number seen is the count of turns granted."""
-    from meshrl.runtime.colocation import CAPACITY, RELEASE
-
     groups = [m["group"] for m in ring["members"]]
     fallback = next((m["group"] for m in ring["members"] if m["mode"] == "FALLBACK"), None)
     state: dict[str, Any] = {"id": ring["id"], "members": groups, "fallback": fallback, "partition": None,
@@ -105,10 +104,10 @@ def ring_state(client: Client, ring: dict[str, Any], partitions: list[dict[str, 
         return state
     part = launches[-1]
     state["partition"] = part
-    rows = {c: _peek(client, part, c, CAPACITY) for c in ("event", "grant", "preempt")}
-    events = {i: (int(e[0]), int(e[1]), int(e[3]), str(by)) for i, e, by in rows["event"]}
-    grants = {i: int(v[0]) for i, v, _ in rows["grant"]}
-    preempts = {i: int(v[0]) for i, v, _ in rows["preempt"]}
+    rows = {c: _peek(client, part, c, RING_CAPACITY) for c in (EVENT, GRANT, PREEMPT)}
+    events = {i: (int(e[0]), int(e[1]), int(e[3]), str(by)) for i, e, by in rows[EVENT]}
+    grants = {i: int(v[0]) for i, v, _ in rows[GRANT]}
+    preempts = {i: int(v[0]) for i, v, _ in rows[PREEMPT]}
     released = {ref for kind, _, ref, _ in events.values() if kind == RELEASE}
     live = {i: e for i, e in events.items() if e[0] != RELEASE and i not in released}
     holding = sorted(i for i in live if i in grants)
@@ -133,7 +132,7 @@ def _peek(client: Client, part: str, column: str, n: int) -> list[tuple[int, lis
     if not batch:
         return []
     try:
-        return list(zip(batch.ids.tolist(), batch.tensor(column).tolist(), batch.meta_of("by"), strict=True))
+        return list(zip(batch.ids.tolist(), batch.tensor(column).tolist(), batch.meta_of(BY), strict=True))
     finally:
         client.release(batch)
 

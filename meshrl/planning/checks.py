@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from meshrl.columns import ENV_REWARD, REF_LOGPROBS, RM_SCORE, VALUES, teacher_columns
 from meshrl.planning.recipe import ColocationRing, Recipe, Scheduling, ServiceGroup
+from meshrl.schema import ENV_REWARD, REF_LOGPROBS, RM_SCORE, VALUES, teacher_columns
 
 if TYPE_CHECKING:
     from meshrl.planning.topology import Device

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import PROMPT, RESPONSE, SAMPLES
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
 from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.runtime.service import Service
+from meshrl.schema import PROMPT, RESPONSE, SAMPLES
 
 __all__ = ["ScorerConfig", "ScorerService", "put_missing", "put_missing_async"]
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrl.columns import PROMPT, RESPONSE, SAMPLES
 from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.schema import PROMPT, RESPONSE, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

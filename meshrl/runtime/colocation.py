@@ -44,10 +44,10 @@ import torch
 from meshrl.dataplane import Client
 from meshrl.planning.recipe import ColocationRing, Scheduling
 from meshrl.planning.topology import Topology
+from meshrl.schema import BY, EVENT, GRANT, PREEMPT, RELEASE, REQUEST, RING_CAPACITY, ring_partition
 
 log = logging.getLogger("meshrl.runtime.colocation")
 
-CAPACITY = 4096
 WATCH_S = 30.0
 
 
@@ -73,7 +73,7 @@ class RingPlan:
     @property
     def partition(self) -> str:
         """The ring's partition in this launch."""
-        return f"ring.{self.id}.{self.launch}"
+        return ring_partition(self.id, self.launch)
 
     @property
     def arbiter(self) -> str:
@@ -87,8 +87,6 @@ class RingPlan:
 
 # -------------------------------------------------------------------------------------------------------
 # the arbiter
-
-REQUEST, RELEASE = 1, 2
 
 
 @dataclass
@@ -108,7 +106,7 @@ class Arbiter:
         self.plan = plan
         self.part = plan.partition
         self.client = client
-        self.client.create_partition(self.part, CAPACITY)
+        self.client.create_partition(self.part, RING_CAPACITY)
         self.pending: list[list[tuple[int, str]]] = [[] for _ in plan.members]  # FIFO per member
         self.turn: _Turn | None = None
         self.turns = 0
@@ -128,11 +126,11 @@ class Arbiter:
     def _loop(self) -> None:
         try:
             while not self.stop.is_set():
-                batch = self.client.claim(self.part, "arbiter", ["event"], 256, timeout=1.0, lease=3600)
+                batch = self.client.claim(self.part, "arbiter", [EVENT], 256, timeout=1.0, lease=3600)
                 if not batch:
                     continue
                 for rid, (kind, member, _, ref), by in zip(
-                    batch.ids.tolist(), batch.tensor("event").tolist(), batch.meta_of("by"), strict=True
+                    batch.ids.tolist(), batch.tensor(EVENT).tolist(), batch.meta_of(BY), strict=True
                 ):
                     if kind == REQUEST:
                         self.pending[member].append((rid, str(by)))
@@ -178,7 +176,7 @@ class Arbiter:
                     self._grant(turn, joining)
             if turn.member == fallback and waiting and not turn.preempted:
                 turn.preempted = True
-                self._write("preempt", list(turn.rows), turn.number)
+                self._write(PREEMPT, list(turn.rows), turn.number)
             return
         previous = self.last_on_demand
         if waiting:
@@ -200,7 +198,7 @@ class Arbiter:
 
     def _grant(self, turn: _Turn, queue: list[tuple[int, str]]) -> None:
         turn.rows.update(queue)
-        self._write("grant", [rid for rid, _ in queue], turn.number)
+        self._write(GRANT, [rid for rid, _ in queue], turn.number)
 
     def _write(self, column: str, ids: list[int], turn: int) -> None:
         if ids:
@@ -238,7 +236,7 @@ class RingMember:
         self.offload, self.restore = offload, restore
         self.arbiter = Arbiter(plan, connect(f"{process}-arbiter")) if plan.arbiter == process else None
         self.client = connect(f"{process}-ring")
-        self.client.create_partition(self.part, CAPACITY)
+        self.client.create_partition(self.part, RING_CAPACITY)
         self.granted: dict[int, threading.Event] = {}
         self.grants: set[int] = set()
         self.preempts: set[int] = set()  # rows preempted (possibly before this process saw the grant)
@@ -248,10 +246,8 @@ class RingMember:
         self.cond = threading.Lock()
         self.stop = threading.Event()
         self.watchers = [
-            threading.Thread(target=self._watch, args=(connect(f"{process}-grant"), "grant"), daemon=True),
-            threading.Thread(
-                target=self._watch, args=(connect(f"{process}-preempt"), "preempt"), daemon=True
-            ),
+            threading.Thread(target=self._watch, args=(connect(f"{process}-grant"), GRANT), daemon=True),
+            threading.Thread(target=self._watch, args=(connect(f"{process}-preempt"), PREEMPT), daemon=True),
         ]
         for t in self.watchers:
             t.start()
@@ -262,15 +258,15 @@ class RingMember:
         consumer = f"{column}.{self.process}"
         try:
             while not self.stop.is_set():
-                batch = client.claim(self.part, consumer, ["event", column], 256, timeout=1.0, lease=3600)
+                batch = client.claim(self.part, consumer, [EVENT, column], 256, timeout=1.0, lease=3600)
                 if not batch:
                     continue
-                mine = [rid for rid, by in zip(batch.ids.tolist(), batch.meta_of("by"), strict=True)
+                mine = [rid for rid, by in zip(batch.ids.tolist(), batch.meta_of(BY), strict=True)
                         if by == self.process]  # fmt: skip
                 client.ack(batch)
                 with self.cond:
                     for rid in mine:
-                        if column == "grant":
+                        if column == GRANT:
                             self.grants.add(rid)
                             if rid in self.granted:
                                 self.granted[rid].set()
@@ -296,7 +292,7 @@ class RingMember:
         assert self.row is None, "acquire() inside a turn"
         t0 = time.perf_counter()
         event = torch.tensor([[REQUEST, self.member, self.index, -1]])
-        ids = self.client.put(self.part, {"event": event}, meta=[{"by": self.process}])
+        ids = self.client.put(self.part, {EVENT: event}, meta=[{BY: self.process}])
         rid = int(ids[0])
         granted = threading.Event()
         with self.cond:
@@ -335,7 +331,7 @@ class RingMember:
             self.preempt.clear()
             self.preempts.discard(rid)
         event = torch.tensor([[RELEASE, self.member, self.index, rid]])
-        self.client.put(self.part, {"event": event}, meta=[{"by": self.process}])
+        self.client.put(self.part, {EVENT: event}, meta=[{BY: self.process}])
 
     def acquire_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[float]:
         """`acquire` on a daemon thread, for asyncio services (an executor thread could outlive the loop
@@ -391,7 +387,7 @@ class RingMember:
         for rid in waiting:
             event = torch.tensor([[RELEASE, self.member, self.index, rid]])
             with contextlib.suppress(Exception):
-                self.client.put(self.part, {"event": event}, meta=[{"by": self.process}])
+                self.client.put(self.part, {EVENT: event}, meta=[{BY: self.process}])
         for t in self.watchers:
             t.join(timeout=5)
         if self.arbiter is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from meshrl.planning.config import RecipeError
+from meshrl.schema import EVAL_VERSION, GREEDY, MEMBER, PROMPT_ID
 
 
 def main(argv: list[str]) -> int:
@@ -67,13 +68,13 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from meshrl.columns import EVAL, RESPONSE
     from meshrl.dataplane import Batch, Ragged
     from meshrl.roles.inference.service import build_engine
-    from meshrl.roles.rollout import rewards as reward_functions
+    from meshrl.roles.rollout import reward_functions
     from meshrl.roles.rollout.data import encode, load_rows
     from meshrl.roles.rollout.evaluation import results, summarize
     from meshrl.roles.rollout.scoring import Rewards
+    from meshrl.schema import EVAL, RESPONSE
 
     _, rows = load_rows(rollout)
     if not rows:
@@ -85,7 +86,7 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     engine = build_engine(inference, device=device, seed=recipe.seed, work_dir=None)
     t0 = time.perf_counter()
     prompts = [encode(tokenizer, rollout, r).tolist() for r in rows]
-    meta: list[dict[str, Any]] = [{"greedy": k == 0, "prompt_id": i, "member": k, "eval_version": 0}
+    meta: list[dict[str, Any]] = [{GREEDY: k == 0, PROMPT_ID: i, MEMBER: k, EVAL_VERSION: 0}
             for i in range(len(rows)) for k in range(1 + rollout.eval_samples)]  # fmt: skip
     completions = generate(engine, inference, recipe, prompts, meta)
     gen_s = time.perf_counter() - t0
@@ -106,16 +107,16 @@ def generate(
 
     out: list[list[int]] = [[] for _ in meta]
     for greedy in (False, True):
-        todo = [j for j, m in enumerate(meta) if m["greedy"] == greedy]
+        todo = [j for j, m in enumerate(meta) if m[GREEDY] == greedy]
         params = SamplingParams(
             temperature=0.0 if greedy else recipe.temperature, top_k=inference.top_k,
             top_p=inference.top_p, max_new_tokens=inference.max_new_tokens,
         )  # fmt: skip
         for start in range(0, len(todo), inference.max_batch):
             part = todo[start : start + inference.max_batch]
-            seeds = [row_seed(recipe.seed, (1, 0, meta[j]["prompt_id"]), meta[j]["member"]) * 4099 % 2**63
+            seeds = [row_seed(recipe.seed, (1, 0, meta[j][PROMPT_ID]), meta[j][MEMBER]) * 4099 % 2**63
                      for j in part]  # fmt: skip
-            done = engine.generate([prompts[meta[j]["prompt_id"]] for j in part], params, seeds=seeds)
+            done = engine.generate([prompts[meta[j][PROMPT_ID]] for j in part], params, seeds=seeds)
             for j, c in zip(part, done, strict=True):
                 out[j] = c.tokens
     return out

@@ -31,7 +31,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from meshrl.columns import CONTROL, EVENT, FAILED
 from meshrl.dataplane.rpc_client import Wire
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.observe.follow import Follower, backlog
@@ -39,6 +38,7 @@ from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
 from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
 from meshrl.runtime.zygote import Forker, ZygoteDied
+from meshrl.schema import BY, CONTROL, EVENT, FAILED
 from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
@@ -383,7 +383,7 @@ class Launcher:
                 from meshrl.dataplane import Client
 
                 with Client(controller, secret=secret, timeout=5) as c:
-                    c.put(CONTROL, {EVENT: torch.tensor([FAILED])}, meta=[{"by": child.name}])
+                    c.put(CONTROL, {EVENT: torch.tensor([FAILED])}, meta=[{BY: child.name}])
             except Exception as e:  # the data plane may be what failed
                 log.warning("could not announce the failure: %s", e)
         self.shutdown()

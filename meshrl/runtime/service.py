@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrl.columns import CONTROL, EVENT, FAILED, FINISHED
 from meshrl.dataplane import AsyncClient, Client
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.recipe import Recipe
 from meshrl.planning.topology import HEALTH, Process, Replica, Topology
+from meshrl.schema import BY, CONTROL, EVENT, FAILED, FINISHED
 
 if TYPE_CHECKING:
     from meshrl.runtime.colocation import RingMember
@@ -220,7 +220,7 @@ class Service:
             events: list[int] = batch.tensor(EVENT).tolist()
             self.control().ack(batch)
             if FAILED in events:
-                by = batch.meta_of("by")
+                by = batch.meta_of(BY)
                 raise RuntimeError(f"the run was stopped by a failure in {by[events.index(FAILED)]}")
             self._finished = FINISHED in events
         return self._finished
@@ -236,7 +236,7 @@ class Service:
             if not batch:
                 continue
             events: list[int] = batch.tensor(EVENT).tolist()
-            by = batch.meta_of("by")
+            by = batch.meta_of(BY)
             await client.ack(batch)
             if FAILED in events:
                 raise RuntimeError(f"the run was stopped by a failure in {by[events.index(FAILED)]}")
@@ -246,7 +246,7 @@ class Service:
 
     def finish_run(self) -> None:
         """Announce that training is over: every service of the run exits."""
-        self.control().put(CONTROL, {EVENT: torch.tensor([FINISHED])}, meta=[{"by": self.ctx.name}])
+        self.control().put(CONTROL, {EVENT: torch.tensor([FINISHED])}, meta=[{BY: self.ctx.name}])
         self._finished = True
 
 

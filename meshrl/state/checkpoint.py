@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, STEP
+from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, STEP
 
 COMPLETE = "COMPLETE"
 DONE = "done"
@@ -181,7 +181,7 @@ async def take_part(
                 if directory.is_dir():
                     raise
                 continue  # committed meanwhile without this answer; its `done` row releases the pause
-            await client.put(CHECKPOINT_ACKS, {STEP: torch.tensor([step])}, meta=[{"by": name}])
+            await client.put(CHECKPOINT_ACKS, {STEP: torch.tensor([step])}, meta=[{BY: name}])
         # Acknowledged once answered: a process killed in between is restarted (in place, or with the
         # run) and answers again; the trainer ignores a second answer. A request that comes back after
         # its checkpoint was committed (from the snapshot, which holds it claimed) finds no directory.

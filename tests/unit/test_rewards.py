@@ -12,7 +12,7 @@ import pytest
 from meshrl.planning.config import RecipeError
 from meshrl.planning.overrides import apply_overrides
 from meshrl.planning.recipe import read_recipe
-from meshrl.roles.rollout import rewards
+from meshrl.roles.rollout import reward_functions as rewards
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.evaluation import summarize
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from meshrl.columns import CHECKPOINT_ACKS, PROMPT, RESPONSE, RETURNS, SAMPLES, STEP, VALID, VALUES
 from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
 from meshrl.roles.trainer.config import Schedule
+from meshrl.schema import CHECKPOINT_ACKS, PROMPT, RESPONSE, RETURNS, SAMPLES, STEP, VALID, VALUES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

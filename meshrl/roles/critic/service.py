@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import PROMPT, RESPONSE, RETURNS, SAMPLES, VALID, VALUES
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
@@ -41,6 +40,7 @@ from meshrl.observe.metrics import JsonlSink, merged
 from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime.service import WATCH_S, Service
+from meshrl.schema import GROUP, MEMBER, MIN_VERSION, PROMPT, RESPONSE, RETURNS, SAMPLES, VALID, VALUES
 from meshrl.state import checkpoint as ckpt
 from meshrl.state.statefile import StateFile
 
@@ -174,7 +174,7 @@ class CriticService(Service):
         """Write values for the parked rows the current critic version may serve; keep the others."""
         still = []
         for batch, rows, since in parked:
-            needs = batch.meta_of("min_version", 0)
+            needs = batch.meta_of(MIN_VERSION, 0)
             ready = [i for i in rows if int(needs[i] or 0) <= self.version]
             later = [i for i in rows if int(needs[i] or 0) > self.version]
             if ready:
@@ -208,8 +208,8 @@ class CriticService(Service):
         cut from the batch sorted by rollout's group sequence, so their composition does not depend on
         the order in which rows became ready (a resumed run cuts the same ones)."""
         cfg = self.config
-        groups = torch.tensor(batch.meta_of("group", 0), dtype=torch.int64)
-        members = torch.tensor(batch.meta_of("member", 0), dtype=torch.int64)
+        groups = torch.tensor(batch.meta_of(GROUP, 0), dtype=torch.int64)
+        members = torch.tensor(batch.meta_of(MEMBER, 0), dtype=torch.int64)
         order = torch.argsort(groups * 65536 + members, stable=True)
         for index in order.chunk(cfg.mini_batches):
             self.train_minibatch(batch, index.tolist())

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from meshrl.columns import (
+from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.schema import (
     ENV_REWARD,
     GEN_BATCH,
     GEN_S,
@@ -22,7 +23,6 @@ from meshrl.columns import (
     TURNS,
     VERSION,
 )
-from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

@@ -30,13 +30,23 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import (
+from meshrl.dataplane import AsyncClient, Batch
+from meshrl.envs import Environment, Limits, Outcome, Renderer, Trajectory, advance, build_parser, start
+from meshrl.roles.env.config import TURN_READS, EnvConfig
+from meshrl.roles.inference.config import InferenceConfig
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.data import load_rows
+from meshrl.runtime.service import WATCH_S, Service
+from meshrl.schema import (
+    CARRIED,
     ENV_REWARD,
     GEN_BATCH,
     GEN_S,
     LOGPROBS,
     LOSS_MASK,
+    MIN_VERSION,
     PROMPT,
+    PROMPT_ID,
     RESPONSE,
     SAMPLES,
     TASKS,
@@ -45,17 +55,6 @@ from meshrl.columns import (
     TURNS,
     VERSION,
 )
-from meshrl.dataplane import AsyncClient, Batch
-from meshrl.envs import Environment, Limits, Outcome, Renderer, Trajectory, advance, build_parser, start
-from meshrl.roles.env.config import TURN_READS, EnvConfig
-from meshrl.roles.inference.config import InferenceConfig
-from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.data import load_rows
-from meshrl.runtime.service import WATCH_S, Service
-
-CARRIED = ("group", "member", "prompt_id", "epoch", "min_version")
-"""Metadata of the trajectory start that every turn row and the sample keep (rollout groups by them,
-inference seeds and paces by them)."""
 
 
 class EnvService(Service):
@@ -180,7 +179,7 @@ class EnvService(Service):
         meta["traj"] = int(batch.ids[i])
         meta["t0"] = t0 = time.time()
         self.span = self.span or [t0, t0]
-        out = await start(self.env, self.renderer, self.rows[int(meta["prompt_id"] or 0)], self.limits)
+        out = await start(self.env, self.renderer, self.rows[int(meta[PROMPT_ID] or 0)], self.limits)
         meta["env_s"] = time.time() - t0
         self.counts["started"] += 1
         await (self.finish(client, out, meta, 0) if out.done else self.write_turn(client, out, meta))
@@ -222,7 +221,7 @@ class EnvService(Service):
         if len(traj.ids) == traj.prompt_len:  # ended before any turn: one masked token to carry the row
             traj.add_env([self.renderer.stop])
         first, last = traj.version_range
-        need = int(meta.get("min_version") or 0)
+        need = int(meta.get(MIN_VERSION) or 0)
         columns: dict[str, Any] = {k: [v] for k, v in traj.sample().items()}
         columns[VERSION] = torch.tensor([[max(first, need), max(last, need)]], dtype=torch.int64)
         columns[GEN_S] = torch.tensor([traj.gen_s], dtype=torch.float32)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from meshrl.columns import EVAL, GENERATED, PROMPT, SAMPLES, TURNS
 from meshrl.models.hub import missing
 from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.schema import EVAL, GENERATED, PROMPT, SAMPLES, TURNS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

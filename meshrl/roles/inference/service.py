@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import EVAL, GEN_BATCH, GEN_S, LOGPROBS, PROMPT, RESPONSE, SAMPLES, TURNS, VERSION
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles.env.config import has_env
@@ -40,6 +39,24 @@ from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.runtime.weights import GroupBroken, WeightGroup, one_thread
+from meshrl.schema import (
+    EVAL,
+    EVAL_VERSION,
+    GEN_BATCH,
+    GEN_S,
+    GREEDY,
+    GROUP,
+    LOGPROBS,
+    MEMBER,
+    MIN_VERSION,
+    PROMPT,
+    PROMPT_ID,
+    RESPONSE,
+    SAMPLES,
+    TURN,
+    TURNS,
+    VERSION,
+)
 
 LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
 
@@ -171,7 +188,7 @@ class InferenceService(Service):
 
     async def serve_rows(self, client: AsyncClient, work: Waiting) -> None:
         """Generate the rows the current version may serve; park the others."""
-        needs = work.batch.meta_of("min_version", 0)
+        needs = work.batch.meta_of(MIN_VERSION, 0)
         version = self.engine.version
         ready = [i for i in work.rows if int(needs[i] or 0) <= version]
         later = [i for i in work.rows if int(needs[i] or 0) > version]
@@ -325,16 +342,16 @@ class InferenceService(Service):
         evaluation's version, prompt and member), not from this process's history or batch: a resumed
         run, or a row that lands in another batch, samples the same tokens."""
         seeds = []
-        groups, members = batch.meta_of("group"), batch.meta_of("member", 0)
+        groups, members = batch.meta_of(GROUP), batch.meta_of(MEMBER, 0)
         for i in rows:
             if groups[i] is None:  # evaluation rows
                 key = (
                     1,
-                    int(batch.meta_of("eval_version", 0)[i] or 0),
-                    int(batch.meta_of("prompt_id", 0)[i] or 0),
+                    int(batch.meta_of(EVAL_VERSION, 0)[i] or 0),
+                    int(batch.meta_of(PROMPT_ID, 0)[i] or 0),
                 )
             else:  # a trajectory's turns differ by their number
-                key = (0, int(groups[i]), int(batch.meta_of("turn", 0)[i] or 0))
+                key = (0, int(groups[i]), int(batch.meta_of(TURN, 0)[i] or 0))
             seeds.append(row_seed(self.ctx.recipe.seed, key, int(members[i] or 0)))
         return seeds
 
@@ -346,7 +363,7 @@ class InferenceService(Service):
         new weights and record both versions."""
         cfg = self.config
         prompts = [batch.ragged(PROMPT)[i].tolist() for i in rows]
-        flags = batch.meta_of("greedy", False)
+        flags = batch.meta_of(GREEDY, False)
         greedy = [bool(flags[i]) if eval_rows else False for i in rows]
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]

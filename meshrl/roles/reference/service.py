@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from meshrl.algorithms.losses import token_logprobs
-from meshrl.columns import PROMPT, REF_LOGPROBS, RESPONSE
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.reference.config import ReferenceConfig
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
+from meshrl.schema import PROMPT, REF_LOGPROBS, RESPONSE
 
 
 class ReferenceService(ScorerService):

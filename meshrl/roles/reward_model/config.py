@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrl.columns import RM_SCORE, SAMPLES
 from meshrl.planning.config import Columns
 from meshrl.roles.scorer_config import ScorerConfig
+from meshrl.schema import RM_SCORE, SAMPLES
 
 
 @dataclass(frozen=True, kw_only=True)

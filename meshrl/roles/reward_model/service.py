@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import PROMPT, RESPONSE, RM_SCORE
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.reward_model.config import RewardModelConfig
 from meshrl.roles.scorer import ScorerService, token_batches
+from meshrl.schema import PROMPT, RESPONSE, RM_SCORE
 
 
 class RewardModelService(ScorerService):

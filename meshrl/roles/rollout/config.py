@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from meshrl.columns import (
+from meshrl.models.hub import missing
+from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.schema import (
     ADVANTAGE,
     CHECKPOINT_ACKS,
     ENV_REWARD,
@@ -30,8 +32,6 @@ from meshrl.columns import (
     VALUES,
     VERSION,
 )
-from meshrl.models.hub import missing
-from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -87,7 +87,7 @@ class RolloutConfig(ServiceConfig):
     rewards: dict[str, float] = field(default_factory=lambda: {"meshrl.tasks.arith:reward": 1.0})
     """Reward functions by import path, with their weights: `{"pkg.mod:fn": 1.0, ...}`. Batched
     `fn(prompts, completions, **columns) -> list[float | None]` (TRL's signature) or per sample
-    `fn(prompt, completion, row) -> float | None`, sync or async (see rewards.py). Built in:
+    `fn(prompt, completion, row) -> float | None`, sync or async (see reward_functions.py). Built in:
     meshrl.rewards:math_answer, meshrl.rewards:answer_format. Weight 0: logged and evaluated only."""
     rm_weight: float = 0.0
     """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""

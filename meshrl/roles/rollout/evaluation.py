@@ -22,14 +22,24 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import EVAL, PROMPT, RESPONSE, VERSION
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
 from meshrl.observe.metrics import JsonlSink, Metrics
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.rewards import Scored
+from meshrl.roles.rollout.reward_functions import Scored
 from meshrl.roles.rollout.state import EvalResult, RolloutState
 from meshrl.runtime.service import WATCH_S
+from meshrl.schema import (
+    EVAL,
+    EVAL_VERSION,
+    GREEDY,
+    MEMBER,
+    MIN_VERSION,
+    PROMPT,
+    PROMPT_ID,
+    RESPONSE,
+    VERSION,
+)
 from meshrl.state.checkpoint import Pause
 
 log = logging.getLogger("meshrl.rollout")
@@ -67,8 +77,8 @@ class Evaluation:
             tokens = self.encode(row)
             for k in range(1 + self.cfg.eval_samples):
                 prompts.append(tokens)
-                meta.append({"eval_version": version, "greedy": k == 0, "prompt_id": index, "member": k,
-                             "min_version": version})  # fmt: skip
+                meta.append({EVAL_VERSION: version, GREEDY: k == 0, PROMPT_ID: index, MEMBER: k,
+                             MIN_VERSION: version})  # fmt: skip
         await client.put(EVAL, {PROMPT: prompts}, meta=meta, timeout=3600, key=key)
 
     async def run(
@@ -87,7 +97,7 @@ class Evaluation:
         """Count the rows, record the evaluations they complete, persist, delete, acknowledge."""
         st = self.state
         ids = batch.ids.tolist()
-        asked = batch.meta_of("eval_version")
+        asked = batch.meta_of(EVAL_VERSION)
         newer = [
             (a, int(last))
             for a, (_, last) in zip(asked, batch.tensor(VERSION).tolist(), strict=True)
@@ -98,7 +108,7 @@ class Evaluation:
                 "%d evaluation rows of version %d were generated with version %d", len(newer), *newer[0]
             )
         for rid, version, result in zip(
-            ids, batch.meta_of("eval_version"), await results(self.rewards, batch, self.rows), strict=True
+            ids, batch.meta_of(EVAL_VERSION), await results(self.rewards, batch, self.rows), strict=True
         ):
             if rid in st.replay_eval:  # a predecessor counted it
                 continue
@@ -148,7 +158,7 @@ async def results(
     return [
         (bool(greedy), r if ok else 0.0, int(pid), f)
         for greedy, pid, r, ok, f in zip(
-            batch.meta_of("greedy"), batch.meta_of("prompt_id"), scored.total.tolist(), scored.valid.tolist(),
+            batch.meta_of(GREEDY), batch.meta_of(PROMPT_ID), scored.total.tolist(), scored.valid.tolist(),
             per_sample, strict=True,
         )
     ]  # fmt: skip

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import PROMPT, SAMPLES, TASKS
 from meshrl.dataplane import AsyncClient
 from meshrl.dataplane.protocol import Meta
 from meshrl.planning.recipe import Recipe
 from meshrl.roles.env.config import has_env
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.state import RolloutState
+from meshrl.schema import EPOCH, GROUP, MEMBER, MIN_VERSION, PROMPT, PROMPT_ID, SAMPLES, TASKS
 from meshrl.state.checkpoint import Pause
 
 Group = tuple[int, int, int, int]  # (group id, prompt index, epoch, min_version)
@@ -129,7 +129,7 @@ class Feed:
         meta: list[Meta] = []
         for group, index, epoch, need in groups:
             rows += [tokens[index] if tokens else self.encode(self.rows[index])] * n
-            meta += [{"group": group, "member": k, "prompt_id": index, "epoch": epoch, "min_version": need}
+            meta += [{GROUP: group, MEMBER: k, PROMPT_ID: index, EPOCH: epoch, MIN_VERSION: need}
                      for k in range(n)]  # fmt: skip
         await client.put(self.partition, {PROMPT: rows}, meta=meta, timeout=3600, key=key)
 

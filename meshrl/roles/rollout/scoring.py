@@ -1,7 +1,7 @@
 """Rollout's second job: score completed groups and write their advantages.
 
 Rollout claims whole groups of `samples` once every column its reward and advantage need is there,
-computes the reward trained on (the reward functions' weighted sum, `rewards.py`, + weighted
+computes the reward trained on (the reward functions' weighted sum, `reward_functions.py`, + weighted
 reward-model score + DAPO's overlong penalty, minus an optional KL(behaviour || reference) penalty) and the advantages, and writes `reward`,
 `advantage`, `valid` (+ `returns` for GAE from a critic; `token_rewards` instead for the trainer's value
 head) into the same rows. Estimators normalised over the batch (REINFORCE++, whitened GAE) score a
@@ -24,10 +24,22 @@ import torch
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms import filters
 from meshrl.algorithms.losses import AdaptiveKL, kl
-from meshrl.columns import (
+from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.observe.metrics import Metrics, Sink
+from meshrl.planning.recipe import Recipe
+from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.reward_functions import RewardFunction, Scored, completions, score
+from meshrl.roles.rollout.state import RolloutState
+from meshrl.roles.scorer import put_missing_async
+from meshrl.runtime.service import WATCH_S
+from meshrl.schema import (
     ADVANTAGE,
     ENV_REWARD,
+    GROUP,
     LOGPROBS,
+    MEMBER,
+    MIN_VERSION,
+    PROMPT_ID,
     REF_LOGPROBS,
     RESPONSE,
     RETURNS,
@@ -38,14 +50,6 @@ from meshrl.columns import (
     VALID,
     VALUES,
 )
-from meshrl.dataplane import AsyncClient, Batch, Ragged
-from meshrl.observe.metrics import Metrics, Sink
-from meshrl.planning.recipe import Recipe
-from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.rewards import RewardFunction, Scored, completions, score
-from meshrl.roles.rollout.state import RolloutState
-from meshrl.roles.scorer import put_missing_async
-from meshrl.runtime.service import WATCH_S
 from meshrl.state.checkpoint import Pause
 
 log = logging.getLogger("meshrl.rollout")
@@ -60,7 +64,7 @@ class Rewards:
         self.first_failure: str | None = None
 
     async def __call__(self, batch: Batch, rows: list[dict[str, Any]]) -> Scored:
-        picked = [rows[int(pid)] for pid in batch.meta_of("prompt_id")]
+        picked = [rows[int(pid)] for pid in batch.meta_of(PROMPT_ID)]
         prompts = [r[self.prompt_field] for r in picked]
         conversational = bool(prompts) and isinstance(prompts[0], list)
         texts = completions(self.tokenizer, batch, conversational)
@@ -107,7 +111,7 @@ class Scoring:
                 continue
             # a version's evaluation is generated before anything generated with it is scored: the
             # trainer cannot move past a version before inference has evaluated it
-            await self.until_evaluated(max(int(v or 0) for v in batch.meta_of("min_version", 0)))
+            await self.until_evaluated(max(int(v or 0) for v in batch.meta_of(MIN_VERSION, 0)))
             async with pause.work():
                 if await self.score(client, batch, persist):
                     self.check_filtered()
@@ -119,13 +123,13 @@ class Scoring:
         Returns whether dynamic sampling dropped groups."""
         st = self.state
         reward, valid = await self.total_rewards(batch)
-        groups = torch.tensor(batch.meta_of("group"), dtype=torch.int64)
+        groups = torch.tensor(batch.meta_of(GROUP), dtype=torch.int64)
         keep = torch.ones(len(batch), dtype=torch.bool)
         if self.cfg.dynamic_sampling:
             keep = filters.groups_with_signal(reward, groups, valid)
         # in (group, member) order: the trainer's groups become ready in the order of this put, so its
         # mini-batches do not depend on which service finished a row last
-        members = torch.tensor(batch.meta_of("member", 0), dtype=torch.int64)
+        members = torch.tensor(batch.meta_of(MEMBER, 0), dtype=torch.int64)
         index = keep.nonzero().squeeze(-1)
         index = index[torch.argsort(groups[index] * 65536 + members[index], stable=True)]
         out = self.advantages(batch, index, reward[index], groups[index], valid[index]) if len(index) else {}
@@ -137,7 +141,7 @@ class Scoring:
         drop = ~keep & new
         dropped = batch.ids[(~keep).numpy()]
         if bool(drop.any()):  # DAPO: no signal in these groups; the feed draws new prompts in their place
-            needs = batch.meta_of("min_version", 0)
+            needs = batch.meta_of(MIN_VERSION, 0)
             lost = {int(groups[i]): int(needs[i] or 0) for i in drop.nonzero().squeeze(-1).tolist()}
             st.refill += list(lost.values())
             st.filtered += int(drop.sum())

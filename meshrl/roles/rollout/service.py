@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import GATE, VERSION
 from meshrl.dataplane import AsyncClient
 from meshrl.observe.metrics import JsonlSink
-from meshrl.roles.rollout import rewards as reward_functions
+from meshrl.roles.rollout import reward_functions
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import check_lengths, encode, load_rows
 from meshrl.roles.rollout.evaluation import Evaluation
@@ -35,6 +34,7 @@ from meshrl.roles.rollout.feed import Feed, Group
 from meshrl.roles.rollout.scoring import Rewards, Scoring
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.runtime.service import WATCH_S, Service
+from meshrl.schema import FINAL, GATE, VERSION
 from meshrl.state import checkpoint as ckpt
 from meshrl.state.statefile import StateFile
 
@@ -197,7 +197,7 @@ class RolloutService(Service):
                 for version, meta in zip(batch.tensor(VERSION).tolist(), batch.meta or [], strict=False):
                     if version <= st.last_gate:  # counted by a predecessor that died before its ack
                         continue
-                    await self.gate(int(version), bool(meta and meta.get("final")))
+                    await self.gate(int(version), bool(meta and meta.get(FINAL)))
                 self.ctx.health.info.update(
                     gates=st.gates, started=st.started, scored=st.scored, failed=st.failed
                 )

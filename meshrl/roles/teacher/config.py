@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshrl.columns import SAMPLES, teacher_columns
 from meshrl.planning.config import Columns
 from meshrl.roles.scorer_config import ScorerConfig
+from meshrl.schema import SAMPLES, teacher_columns
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

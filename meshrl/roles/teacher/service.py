@@ -9,10 +9,10 @@ import torch
 
 from meshrl.algorithms.chunked import head_is_linear, last_hidden
 from meshrl.algorithms.distill import topk_logprobs
-from meshrl.columns import PROMPT, RESPONSE, teacher_columns
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
 from meshrl.roles.teacher.config import TeacherConfig
+from meshrl.schema import PROMPT, RESPONSE, teacher_columns
 
 
 class TeacherService(ScorerService):

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from meshrl.columns import (
+from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.schema import (
     ADVANTAGE,
     CHECKPOINT,
     GATE,
@@ -25,7 +26,6 @@ from meshrl.columns import (
     VERSION,
     teacher_columns,
 )
-from meshrl.planning.config import Columns, ServiceConfig
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup

@@ -8,10 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.columns import (
+from meshrl.dataplane import Batch, Client, Ragged
+from meshrl.engines.packing import TrainBatch, pack
+from meshrl.roles.trainer.config import TrainerConfig
+from meshrl.schema import (
     ADVANTAGE,
     GEN_BATCH,
     GEN_S,
+    GROUP,
     LOGPROBS,
     LOSS_MASK,
     PROMPT,
@@ -23,9 +27,6 @@ from meshrl.columns import (
     VERSION,
     teacher_columns,
 )
-from meshrl.dataplane import Batch, Client, Ragged
-from meshrl.engines.packing import TrainBatch, pack
-from meshrl.roles.trainer.config import TrainerConfig
 
 CLAIM_POLL_S = 1.0
 
@@ -64,7 +65,7 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
         "gen_s": batch.tensor(GEN_S).clone(),
         "gen_batch": batch.tensor(GEN_BATCH).clone(),
         "continued": versions[:, 1] != versions[:, 0],
-        "group": torch.tensor(batch.meta_of("group", -1), dtype=torch.int64),
+        "group": torch.tensor(batch.meta_of(GROUP, -1), dtype=torch.int64),
     }
     return MiniBatch(batch, packed, summary, versions[:, 0].clone())
 

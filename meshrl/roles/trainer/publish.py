@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import GATE, VERSION
 from meshrl.planning.topology import Process
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import ServiceContext
 from meshrl.runtime.weights import WeightGroup
+from meshrl.schema import FINAL, GATE, VERSION
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -107,7 +107,7 @@ class Publisher:
 
     def _gate(self, version: int, final: bool) -> None:
         assert self.gate is not None
-        meta: list[Any] = [{"final": final, "step": version}]
+        meta: list[Any] = [{FINAL: final, "step": version}]
         self.gate.put(GATE, {VERSION: torch.tensor([version])}, meta=meta)
 
     def _send(self, version: int, tensors: list[torch.Tensor] | None, final: bool, gate: bool = True) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from meshrl.algorithms.filters import groups_with_signal
-from meshrl.columns import PROMPT, RESPONSE
 from meshrl.dataplane import Batch
 from meshrl.observe.metrics import JsonlSink, Metrics, merged
+from meshrl.schema import PROMPT, RESPONSE
 
 log = logging.getLogger("meshrl.trainer")
 

@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.losses import AdaptiveKL
-from meshrl.columns import CHECKPOINT, CHECKPOINT_ACKS, LOSS_MASK, STEP
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch
@@ -37,6 +36,7 @@ from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
 from meshrl.roles.trainer.publish import Publisher
 from meshrl.roles.trainer.report import SampleLog, sample_metrics, step_row
 from meshrl.runtime.service import Service
+from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, LOSS_MASK, STEP
 from meshrl.state import checkpoint as ckpt
 
 
@@ -313,7 +313,7 @@ class TrainerService(Service):
             batch = self.client.claim(CHECKPOINT_ACKS, "trainer", [STEP], 64, timeout=5.0)
             for s, meta in zip(batch.tensor(STEP).tolist() if batch else [], batch.meta or [], strict=False):
                 if s == step:
-                    waiting.discard(str((meta or {}).get("by")))
+                    waiting.discard(str((meta or {}).get(BY)))
             if batch:
                 self.client.ack(batch)
             if waiting and self.finished(every=5.0):

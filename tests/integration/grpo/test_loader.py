@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from meshrl.columns import SAMPLES
+from meshrl.schema import SAMPLES
 from meshrl.dataplane import Client, Ragged
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import Loader, MiniBatch

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from meshrl.columns import teacher_columns
+from meshrl.schema import teacher_columns
 from meshrl.dataplane.ledger import account, written_before
 from meshrl.observe.status import collect
 from tests.conftest import free_base_port

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from meshrl.columns import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
+from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 from meshrl.envs import Environment, Limits, PlainParser, Renderer, State, Step, Turn, advance, start, tool
 from meshrl.models.tiny import build_tokenizer
 

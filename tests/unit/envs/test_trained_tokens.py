@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshrl.algorithms.losses import ppo_clip, token_logprobs
-from meshrl.columns import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE
+from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE
 from meshrl.dataplane import Ragged
 from meshrl.engines.base import SamplingParams
 from meshrl.engines.hf import HFEngine

@@ -1,6 +1,8 @@
-"""The names of the data plane's partitions and columns that services share: the contract between them.
+"""The data plane's partitions, columns and row metadata that services share: the contract between them.
 
-Every service adds columns to rows; none calls another (docs/architecture.md, "Roles and columns"):
+Every service adds columns to rows; none calls another (docs/architecture.md, "Roles and columns"). The
+planner wires a run from what each config declares it reads and writes (`meshrl/planning/wiring.py`);
+these are the names those declarations use:
 
     samples   one row per completion
               rollout      PROMPT; then REWARD, ADVANTAGE, VALID (+ RETURNS for GAE from a critic;
@@ -10,13 +12,17 @@ Every service adds columns to rows; none calls another (docs/architecture.md, "R
               critic       VALUES                teacher       teacher_columns(prefix)
               env          a whole trajectory at once (agents): PROMPT, RESPONSE, LOGPROBS, LOSS_MASK,
                            TOKEN_VERSIONS, VERSION, GEN_S, GEN_BATCH, ENV_REWARD
-    tasks     agents: rollout's trajectory starts (PROMPT: the dataset prompt, for the record)
+    tasks     agents: rollout's trajectory starts (PROMPT, and the dataset row as TASK metadata)
     turns     agents: one row per turn; env writes PROMPT (the trajectory's ids so far) and its history
               (LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS after the first context), inference GENERATED
     eval      the same flow for held-out prompts (PROMPT, then inference's columns)
     gate      the trainer's published weight versions (VERSION), which pace rollout
     control   run-wide events (EVENT: FINISHED or FAILED)
     checkpoint, checkpoint_acks   the checkpoint protocol (STEP; meshrl/state/checkpoint.py)
+    ring.<id>.<launch>            a colocation ring's requests, releases, grants (meshrl/runtime/colocation.py)
+
+Besides its columns a row carries metadata, a small dict (the keys below): who it belongs to and what
+it may be generated with. The data plane reads one key itself, GROUP, for whole-group claims.
 """
 
 from __future__ import annotations
@@ -79,3 +85,46 @@ def teacher_columns(prefix: str) -> tuple[str, str, str]:
     """The columns a teacher writes: top-k ids and logprobs ([response_len, k] per row) and the logprob
     of each sampled response token ([response_len])."""
     return f"{prefix}_topk_ids", f"{prefix}_topk_logprobs", f"{prefix}_logprobs"
+
+
+# row metadata (a row's `meta`)
+GROUP = "group"
+"""int: the sampling group (one prompt drawn, `group_size` completions) a row belongs to; the data
+plane's whole-group claims group by it. Replica k of rollout numbers its groups from k * 10**12."""
+MEMBER = "member"
+"""int: the row's index in its group (evaluation rows: its index among a prompt's rows)."""
+PROMPT_ID = "prompt_id"
+"""int: the index of the dataset row the prompt came from."""
+EPOCH = "epoch"
+"""int: the pass over the dataset the prompt was drawn in."""
+MIN_VERSION = "min_version"
+"""int: the oldest weight version the row may be generated with (rollout's pacing; inference holds
+the row until that version is in)."""
+TASK = "task"
+"""dict: the dataset row itself (JSON values), on the rows rollout feeds: an environment resets from it."""
+EVAL_VERSION = "eval_version"
+"""int: on an evaluation row, the weight version evaluated."""
+GREEDY = "greedy"
+"""bool: on an evaluation row, generate it greedily."""
+TURN = "turn"
+"""int: on a turn row, how many model turns the trajectory has had (it seeds the turn's sampling)."""
+BY = "by"
+"""str: on control, checkpoint-ack and ring rows, the process that wrote it."""
+FINAL = "final"
+"""bool: on a gate row, the last version of the run."""
+CARRIED = (GROUP, MEMBER, PROMPT_ID, EPOCH, MIN_VERSION)
+"""What a trajectory's turn rows and its finished sample keep of the row that started it."""
+
+# colocation rings (one partition per ring and launch)
+RING_CAPACITY = 4096
+GRANT = "grant"
+"""In a ring partition: on a request row, the turn it was granted."""
+PREEMPT = "preempt"
+"""In a ring partition: on a holder's request row, the turn whose holder is asked to leave."""
+REQUEST, RELEASE = 1, 2
+"""The kinds of a ring row's EVENT."""
+
+
+def ring_partition(ring: str, launch: str) -> str:
+    """The partition of colocation ring `ring` in launch `launch`."""
+    return f"ring.{ring}.{launch}"

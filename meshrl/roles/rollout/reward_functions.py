@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from meshrl.columns import RESPONSE
 from meshrl.dataplane import Batch
 from meshrl.roles.rollout.config import metric_name
+from meshrl.schema import RESPONSE
 
 log = logging.getLogger("meshrl.rollout")
 
-Outcome = float | None | BaseException  # a value, not applicable, or why it failed
+Value = float | None | BaseException  # a value, not applicable, or why it failed
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ async def _call(
     completions: list[Any],
     rows: list[dict[str, Any]],
     kwargs: dict[str, list[Any]],
-) -> list[Outcome]:
+) -> list[Value]:
     """One function's outcome per sample; a batched call that fails or returns the wrong shape fails
     every sample of the batch."""
     n = len(prompts)
@@ -129,7 +129,7 @@ async def _call(
     return [_checked(v) for v in values]
 
 
-async def _one(fn: Callable[..., Any], prompt: Any, completion: Any, row: dict[str, Any]) -> Outcome:
+async def _one(fn: Callable[..., Any], prompt: Any, completion: Any, row: dict[str, Any]) -> Value:
     try:
         value = fn(prompt, completion, row)
         if inspect.isawaitable(value):
@@ -139,7 +139,7 @@ async def _one(fn: Callable[..., Any], prompt: Any, completion: Any, row: dict[s
     return _checked(value)
 
 
-def _checked(value: Any) -> Outcome:
+def _checked(value: Any) -> Value:
     """None, a finite float, or the error saying why not."""
     if value is None:
         return None
