@@ -101,9 +101,9 @@ def overrides(args: argparse.Namespace, model: Path, run_dir: Path) -> list[str]
         f"inference.max_batch={args.prompts * args.group_size}", 'inference.loader_kwargs={"dtype": "bfloat16"}',
         f"inference.vllm.gpu_memory_fraction={args.vllm_memory}",
         f"inference.vllm.max_model_len={args.max_new_tokens + 64}",
-        "trainer.precision=bf16-mixed", "trainer.activation_checkpointing=true",
-        f"trainer.max_tokens_per_micro_batch={args.tokens_per_micro_batch}", "trainer.mini_batches=1",
-        "trainer.lr=1e-5", "trainer.warmup_steps=0",
+        "trainer.memory.precision=bf16-mixed", "trainer.memory.activation_checkpointing=true",
+        f"trainer.memory.max_tokens_per_micro_batch={args.tokens_per_micro_batch}", "trainer.mini_batches=1",
+        "trainer.optim.lr=1e-5", "trainer.optim.warmup_steps=0",
     ]  # fmt: skip
 
 

@@ -101,7 +101,7 @@ MIN_VERSION = "min_version"
 """int: the oldest weight version the row may be generated with (rollout's pacing; inference holds
 the row until that version is in)."""
 TASK = "task"
-"""dict: the dataset row itself (JSON values), on the rows rollout feeds: an environment resets from it."""
+"""str: the dataset row itself as JSON text, on the rows rollout feeds: an environment resets from it."""
 EVAL_VERSION = "eval_version"
 """int: on an evaluation row, the weight version evaluated."""
 GREEDY = "greedy"

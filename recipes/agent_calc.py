@@ -15,6 +15,7 @@ there in 4 steps. The ceiling (~0.9) is how often the warm model copies the tool
 answers in its head (wrongly) on part of the problems.
 """
 
+from meshrl.engines.settings import OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.env.config import EnvConfig
 from meshrl.roles.inference.config import InferenceConfig
@@ -63,7 +64,7 @@ def recipe() -> Recipe:
             ServiceGroup(
                 id="trainer",
                 config=TrainerConfig(
-                    model=MODEL, lr=2e-5, warmup_steps=3, mini_batches=2, micro_batch=32, threads=1
+                    model=MODEL, optim=OptimConfig(lr=2e-5, warmup_steps=3), mini_batches=2, threads=1
                 ),
                 devices_per_replica=1,
             ),

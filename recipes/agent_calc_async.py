@@ -13,6 +13,6 @@ from meshrl.planning.recipe import Recipe
 
 def recipe() -> Recipe:
     base = sync_recipe().with_overrides(
-        ["rollout.window=2", "trainer.off_policy=decoupled", "trainer.is_cap=5"]
+        ["rollout.window=2", "trainer.loss.off_policy=decoupled", "trainer.loss.is_cap=5"]
     )
     return dataclasses.replace(base, name="agent_calc_async")

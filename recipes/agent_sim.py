@@ -10,11 +10,12 @@ starts trajectories without waiting for the trainer (window None). `benchmarks/a
 and the same work as a global loop with a barrier per turn.
 """
 
+from meshrl.engines.settings import SimGeneration, SimTraining
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.env.config import EnvConfig
-from meshrl.roles.inference.config import InferenceConfig, SimGeneration
+from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.trainer.config import SimTraining, TrainerConfig
+from meshrl.roles.trainer.config import TrainerConfig
 
 MODEL = "runs/arith-base"
 

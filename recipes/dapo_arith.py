@@ -3,7 +3,7 @@ sampling (groups whose rewards all agree are dropped and replaced) and a soft ov
 
     meshrl run recipes/dapo_arith.py *.model=runs/arith-sft
 
-recipes/grpo_arith.py with: trainer.clip_high=0.28 rollout.dynamic_sampling=true
+recipes/grpo_arith.py with: trainer.loss.clip_high=0.28 rollout.dynamic_sampling=true
 rollout.overlong_max_len=4 rollout.overlong_buffer=1 rollout.overlong_penalty=0.5.
 """
 
@@ -17,7 +17,7 @@ from meshrl.planning.recipe import Recipe
 def recipe() -> Recipe:
     base = grpo_recipe().with_overrides(
         [
-            "trainer.clip_high=0.28",
+            "trainer.loss.clip_high=0.28",
             "rollout.dynamic_sampling=true",
             "rollout.overlong_max_len=4",
             "rollout.overlong_buffer=1",

@@ -3,7 +3,7 @@ sequence-sum-token aggregation with a constant normaliser, removing GRPO's lengt
 
     meshrl run recipes/dr_grpo_arith.py *.model=runs/arith-sft
 
-recipes/grpo_arith.py with: rollout.advantage=dr_grpo trainer.loss_agg=seq-mean-token-sum.
+recipes/grpo_arith.py with: rollout.advantage=dr_grpo trainer.loss.aggregation=seq-mean-token-sum.
 """
 
 import dataclasses
@@ -14,5 +14,7 @@ from meshrl.planning.recipe import Recipe
 
 
 def recipe() -> Recipe:
-    base = grpo_recipe().with_overrides(["rollout.advantage=dr_grpo", "trainer.loss_agg=seq-mean-token-sum"])
+    base = grpo_recipe().with_overrides(
+        ["rollout.advantage=dr_grpo", "trainer.loss.aggregation=seq-mean-token-sum"]
+    )
     return dataclasses.replace(base, name="dr_grpo_arith")

@@ -1,11 +1,12 @@
 """GRPO on single-digit addition with a tiny model, synchronous (lock-step): the main CPU job.
 
     make run                                   # builds the model, warm-starts it, runs this recipe
-    meshrl run recipes/grpo_arith.py *.model=runs/arith-sft total_steps=50 trainer.lr=3e-4
+    meshrl run recipes/grpo_arith.py *.model=runs/arith-sft total_steps=50 trainer.optim.lr=3e-4
 
 Three services on CPU: inference (1 device slot), trainer (1 device slot), rollout (no device).
 """
 
+from meshrl.engines.settings import OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
@@ -43,10 +44,8 @@ def recipe() -> Recipe:
                 id="trainer",
                 config=TrainerConfig(
                     model=MODEL,
-                    lr=3e-4,
-                    warmup_steps=5,
+                    optim=OptimConfig(lr=3e-4, warmup_steps=5),
                     mini_batches=4,
-                    micro_batch=32,
                     threads=2,
                 ),
                 devices_per_replica=1,

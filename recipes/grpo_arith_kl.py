@@ -17,7 +17,7 @@ from meshrl.roles.reference.config import ReferenceConfig
 
 
 def recipe() -> Recipe:
-    base = grpo_recipe().with_overrides(["trainer.kl_coef=0.05", "trainer.kl_estimator=k3"])
+    base = grpo_recipe().with_overrides(["trainer.kl.coef=0.05", "trainer.kl.estimator=k3"])
     reference = ServiceGroup(
         id="reference",
         config=ReferenceConfig(model=MODEL, threads=1),

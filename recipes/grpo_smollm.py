@@ -2,7 +2,7 @@
 
     meshrl models smollm2-135m                                 # the model, as an HF folder (once)
     meshrl eval recipes/grpo_smollm.py                         # held-out accuracy before
-    meshrl run recipes/grpo_smollm.py                          # train (total_steps=..., trainer.lr=...)
+    meshrl run recipes/grpo_smollm.py                          # train (total_steps=..., trainer.optim.lr=...)
     meshrl eval recipes/grpo_smollm.py --model runs/grpo_smollm   # and after, on its final checkpoint
 
 What a TRL user writes, the meshrl way: the chat template with a system prompt, a procedurally
@@ -12,6 +12,7 @@ keeps the `<answer>` tag from being trained away. Any model works in its place: 
 (`*.model=HuggingFaceTB/SmolLM2-135M-Instruct`, from the local cache) or a GGUF file.
 """
 
+from meshrl.engines.settings import MemoryConfig, OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
@@ -60,7 +61,11 @@ def recipe() -> Recipe:
             ServiceGroup(
                 id="trainer",
                 config=TrainerConfig(
-                    model=MODEL, lr=2e-6, warmup_steps=3, mini_batches=2, micro_batch=8, threads=2
+                    model=MODEL,
+                    optim=OptimConfig(lr=2e-6, warmup_steps=3),
+                    memory=MemoryConfig(micro_batch=8),
+                    mini_batches=2,
+                    threads=2,
                 ),
                 devices_per_replica=1,
             ),

@@ -3,7 +3,7 @@ mean of token ratios), clipped per sequence.
 
     meshrl run recipes/gspo_arith.py *.model=runs/arith-sft
 
-recipes/grpo_arith.py with: trainer.policy_loss=gspo trainer.clip_low=3e-4 trainer.clip_high=4e-4.
+recipes/grpo_arith.py with: trainer.loss.policy=gspo trainer.loss.clip_low=3e-4 trainer.loss.clip_high=4e-4.
 """
 
 import dataclasses
@@ -15,6 +15,6 @@ from meshrl.planning.recipe import Recipe
 
 def recipe() -> Recipe:
     base = grpo_recipe().with_overrides(
-        ["trainer.policy_loss=gspo", "trainer.clip_low=3e-4", "trainer.clip_high=4e-4"]
+        ["trainer.loss.policy=gspo", "trainer.loss.clip_low=3e-4", "trainer.loss.clip_high=4e-4"]
     )
     return dataclasses.replace(base, name="gspo_arith")

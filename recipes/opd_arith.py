@@ -12,8 +12,8 @@ token (`teacher_logprobs`). The trainer's claim lists those columns, so it only 
 its loss adds forward-KL(teacher top-k || student) at every response token to the policy gradient on
 the task reward. Inference, rollout and the launcher do not know the teacher is there.
 
-Variants by override: `trainer.pg_coef=0` (distillation only); `trainer.distill_coef=0
-trainer.distill_advantage=1` (the reverse-KL variant: teacher logprob - student logprob of each sampled
+Variants by override: `trainer.loss.pg_coef=0` (distillation only); `trainer.distill.coef=0
+trainer.distill.advantage=1` (the reverse-KL variant: teacher logprob - student logprob of each sampled
 token as a dense per-token advantage).
 """
 
@@ -28,7 +28,7 @@ TEACHER = "runs/arith-teacher"  # see above; override with teacher.model=PATH (a
 
 
 def recipe() -> Recipe:
-    base = grpo_recipe().with_overrides(["trainer.distill_coef=1.0"])
+    base = grpo_recipe().with_overrides(["trainer.distill.coef=1.0"])
     teacher = ServiceGroup(
         id="teacher",
         config=TeacherConfig(model=TEACHER, top_k=8, threads=1),

@@ -8,10 +8,11 @@ runs it synchronously and asynchronously and compares with the ideal overlap. PA
 tokenizer (any local model directory).
 """
 
+from meshrl.engines.settings import SimGeneration, SimTraining
 from meshrl.planning.recipe import Recipe, ServiceGroup
-from meshrl.roles.inference.config import InferenceConfig, SimGeneration
+from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.trainer.config import SimTraining, TrainerConfig
+from meshrl.roles.trainer.config import TrainerConfig
 
 MODEL = "runs/arith-sft"
 GROUP = 8

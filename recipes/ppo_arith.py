@@ -14,6 +14,7 @@ import dataclasses
 from grpo_arith import MODEL
 from grpo_arith import recipe as grpo_recipe
 
+from meshrl.engines.settings import OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.critic.config import CriticConfig
 from meshrl.roles.reference.config import ReferenceConfig
@@ -21,13 +22,10 @@ from meshrl.roles.reference.config import ReferenceConfig
 
 def recipe() -> Recipe:
     base = grpo_recipe().with_overrides(
-        ["rollout.advantage=gae", "rollout.gamma=1.0", "rollout.lam=0.95", "rollout.kl_in_reward=0.01",
-         "trainer.kl_metric=true"]
+        ["rollout.advantage=gae", "rollout.gamma=1.0", "rollout.lam=0.95", "rollout.kl_penalty.coef=0.01",
+         "trainer.kl.metric=true"]
     )  # fmt: skip
-    critic = CriticConfig(
-        model=MODEL, lr=1e-4, warmup_steps=5, mini_batches=4,
-        micro_batch=32, threads=1,
-    )  # fmt: skip
+    critic = CriticConfig(model=MODEL, optim=OptimConfig(lr=1e-4, warmup_steps=5), mini_batches=4, threads=1)
     reference = ReferenceConfig(model=MODEL, threads=1)
     return dataclasses.replace(
         base,

@@ -3,7 +3,7 @@
     meshrl run recipes/ppo_arith_shared.py *.model=runs/arith-sft
 
 recipes/ppo_arith.py without the critic service: the trainer's policy carries a value head on its last
-hidden state (trainer.value_head). Rollout writes per-token rewards (the score on the last token, minus
+hidden state (trainer.value.head). Rollout writes per-token rewards (the score on the last token, minus
 the KL penalty to the reference on every token) instead of advantages; the trainer computes each
 mini-batch's values, GAE advantages and returns with the weights it is about to update, and trains
 policy and value head in one backward (value_coef x the clipped value loss). One model fewer to hold.
@@ -21,8 +21,8 @@ from meshrl.roles.reference.config import ReferenceConfig
 def recipe() -> Recipe:
     base = grpo_recipe().with_overrides(
         ["rollout.advantage=gae", "rollout.values=trainer", "rollout.gamma=1.0", "rollout.lam=0.95",
-         "rollout.kl_in_reward=0.01", "trainer.kl_metric=true", "trainer.value_head=true",
-         "trainer.value_coef=0.5"]
+         "rollout.kl_penalty.coef=0.01", "trainer.kl.metric=true", "trainer.value.head=true",
+         "trainer.value.coef=0.5"]
     )  # fmt: skip
     reference = ReferenceConfig(model=MODEL, threads=1)
     return dataclasses.replace(

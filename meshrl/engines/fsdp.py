@@ -1,7 +1,8 @@
 """The training engine: an HF causal LM sharded with FSDP2, updated by a configurable policy loss.
 
-One engine, many algorithms: `update_policy(batch, cfg)` runs the step the config describes (PPO clip or
-GSPO, token or sequence aggregation, entropy bonus, KL to a reference), with gradient accumulation over
+One engine, many algorithms: `update_policy(batch, loss, kl=..., distill=..., value=...)` runs the step
+those sections describe (meshrl/engines/settings.py: PPO clip or GSPO, token or sequence aggregation,
+entropy bonus, KL to a reference, distillation, a value head), with gradient accumulation over
 micro-batches and loss normalisation over the whole step across every data-parallel rank. It works on
 CPU (gloo) and GPU (NCCL). With one rank the model is not wrapped at all (FSDP's hooks would be pure
 overhead) and AdamW runs fused. The same engine with `head="value"` is the critic (`update_value`).
@@ -38,13 +39,21 @@ from meshrl.engines import checkpoints
 from meshrl.engines.building import checkpoint_layer, decoder_layers, load, mixed_precision
 from meshrl.engines.gather import full_tensors
 from meshrl.engines.lora import ADAPTER, adapter_parameters, add_adapters, merged_parameters, train_dropout
-from meshrl.engines.objective import PolicyObjective, value_terms
-from meshrl.engines.optim import OptimConfig, lr_factor
+from meshrl.engines.objective import Objective, PolicyObjective, value_terms
+from meshrl.engines.optim import lr_factor
 from meshrl.engines.packing import TrainBatch, token_micro_batches
+from meshrl.engines.settings import (
+    DistillConfig,
+    KLLossConfig,
+    LoraConfig,
+    LossConfig,
+    MemoryConfig,
+    OptimConfig,
+    ValueHeadConfig,
+)
 from meshrl.observe.metrics import merged
 
 HEADS = ("lm", "value", "lm+value")
-PRECISIONS = ("fp32", "bf16-mixed")
 
 
 class FSDPEngine:
@@ -56,14 +65,13 @@ class FSDPEngine:
         optim: OptimConfig,
         *,
         device: torch.device,
+        memory: MemoryConfig = MemoryConfig(),
+        lora: LoraConfig | None = None,
+        total_steps: int = 1,
         loader_kwargs: dict[str, Any] | None = None,
         seed: int = 0,
         head: str = "lm",
         temperature: float = 1.0,
-        precision: str = "fp32",
-        activation_checkpointing: bool = False,
-        logits_chunk: int = 1024,
-        lora: Any = None,
         publish_adapters: bool = False,
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
@@ -72,34 +80,31 @@ class FSDPEngine:
         linear value head on its last hidden state (`model.value_head`, loaded from
         `checkpoints.VALUE_HEAD_FILE` in `model_path` when there is one, else zero: every value starts
         at 0). `temperature`: the policy's log-probabilities are taken under logits / temperature, the
-        distribution inference samples.
+        distribution inference samples. `total_steps`: optimizer steps the learning-rate schedule spans.
 
-        `precision` "fp32" trains in float32; "bf16-mixed" keeps float32 parameters, gradients and optimizer
-        state and computes forward and backward in bfloat16 (autocast; under FSDP the all-gathers are
-        bf16 too, FSDP2's MixedPrecisionPolicy, and gradients are reduced in float32), and publishes the
-        weights in bfloat16: inference receives exactly what the trainer computes with. The model is
-        loaded in float32 whatever its checkpoint's dtype (`_load`).
-        `activation_checkpointing`: each decoder layer keeps only its input for the backward pass and
-        recomputes the rest. `logits_chunk`: positions whose logits exist at a time when the policy's
-        log-probs are computed (`chunked.head_logprobs`); 0 computes the micro-batch's whole logits, as
-        on-policy distillation always does (its top-k KL reads them). `lora` (rank, alpha, target_modules,
-        dropout, save_merged; rank 0 or None: full fine-tuning): train LoRA adapters only (`lora.py`), and
-        publish them merged into the base or, with `publish_adapters`, alone."""
+        The sections (meshrl/engines/settings.py): `optim`, AdamW and its schedule; `memory`, micro-batches
+        and precision: "bf16-mixed" keeps float32 parameters, gradients and optimizer state and computes
+        forward and backward in bfloat16 (autocast; under FSDP the all-gathers are bf16 too, FSDP2's
+        MixedPrecisionPolicy, and gradients are reduced in float32), and publishes the weights in
+        bfloat16, so inference receives exactly what the trainer computes with (the model is loaded in
+        float32 whatever its checkpoint's dtype); activation checkpointing keeps each decoder layer's
+        input only; `logits_chunk` positions' logits exist at a time when the policy's log-probs are
+        computed (`chunked.head_logprobs`; 0, and distillation, compute the whole logits); `lora`
+        (rank 0 or None: full fine-tuning): LoRA adapters only (`lora.py`), published merged into the
+        base or, with `publish_adapters`, alone."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
         self.lora = lora if lora is not None and lora.rank > 0 else None
         self.publish_adapters = publish_adapters and self.lora is not None
         torch.manual_seed(seed)
         self.head = head
         self.temperature = temperature
         self.device = device
-        self.compute_dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-        self.logits_chunk = logits_chunk
+        self.compute_dtype = torch.bfloat16 if memory.precision == "bf16-mixed" else torch.float32
+        self.memory, self.total_steps = memory, total_steps
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if not os.path.exists(model_path):
@@ -112,9 +117,9 @@ class FSDPEngine:
             model.value_head = checkpoints.value_head(model, model_path)
         model.to(device)
         # chunked log-probs need logits that are the output projection of the last hidden state
-        self._chunked = logits_chunk > 0 and head != "value" and self._logits_to_keep
+        self._chunked = memory.logits_chunk > 0 and head != "value" and self._logits_to_keep
         self._chunked = self._chunked and head_is_linear(model, device)
-        if activation_checkpointing:
+        if memory.activation_checkpointing:
             for layer in decoder_layers(model):
                 checkpoint_layer(layer)
         if self.lora is not None:
@@ -153,7 +158,7 @@ class FSDPEngine:
     # ---------------------------------------------------------------------------------------------------
 
     def _set_lr(self) -> float:
-        lr = self.optim_cfg.lr * lr_factor(self.steps, self.optim_cfg)
+        lr = self.optim_cfg.lr * lr_factor(self.steps, self.optim_cfg, self.total_steps)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         return lr
@@ -209,7 +214,7 @@ class FSDPEngine:
         bias = None if head.bias is None else head.bias.to(self.compute_dtype)
         lp, ent = head_logprobs(
             hidden[mask].to(self.compute_dtype), head.weight.to(self.compute_dtype), ids[:, 1:][mask],
-            bias=bias, temperature=temperature, chunk=self.logits_chunk,
+            bias=bias, temperature=temperature, chunk=self.memory.logits_chunk,
         )  # fmt: skip
         return _scatter(mask, lp), _scatter(mask, ent), None, values
 
@@ -217,25 +222,35 @@ class FSDPEngine:
         head = self.model.value_head
         return head(hidden.to(_local(head.weight).dtype)).squeeze(-1).float()
 
-    def update_policy(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
-        """Train on `batch` (this rank's share of a mini-batch) as `cfg` (a TrainerConfig) describes:
-        `cfg.epochs` optimizer steps over all of it, each accumulating gradients over micro-batches.
+    def update_policy(
+        self,
+        batch: TrainBatch,
+        loss: LossConfig = LossConfig(),
+        *,
+        kl: KLLossConfig = KLLossConfig(),
+        distill: DistillConfig = DistillConfig(),
+        value: ValueHeadConfig = ValueHeadConfig(),
+        epochs: int = 1,
+    ) -> dict[str, float]:
+        """Train on `batch` (this rank's share of a mini-batch): `epochs` optimizer steps over all of it,
+        each accumulating gradients over micro-batches, minimising what the sections describe
+        (`objective.PolicyObjective`).
 
-        The loss follows `cfg.off_policy`: "none" clips the ratio current / behaviour (the logprobs the
+        The loss follows `loss.off_policy`: "none" clips the ratio current / behaviour (the logprobs the
         sample was generated with); "decoupled" clips current / proximal, where the proximal policy is
         the weights at the start of this step (`snapshot`; for samples generated with exactly those, the
-        behaviour logprobs), and weights each token by min(proximal / behaviour, cfg.is_cap); "tis" is
+        behaviour logprobs), and weights each token by min(proximal / behaviour, loss.is_cap); "tis" is
         truncated-importance-weighted REINFORCE against the behaviour policy (`objective.policy_loss`).
         Returns metrics averaged over epochs (timings summed); an epoch with a non-finite loss or
         gradient is skipped and counted in `nan_skipped`.
         """
-        micro = _micro_batches(batch, cfg)
-        proximal = [self._proximal(mb, cfg) for mb in micro] if cfg.off_policy == "decoupled" else []
-        results = [self._epoch(batch, micro, proximal, cfg) for _ in range(cfg.epochs)]
-        return merged(results)
+        micro = self._micro_batches(batch)
+        proximal = [self._proximal(mb) for mb in micro] if loss.off_policy == "decoupled" else []
+        objective = Objective(loss, kl, distill, value)
+        return merged([self._epoch(batch, micro, proximal, objective) for _ in range(epochs)])
 
     def _epoch(
-        self, batch: TrainBatch, micro: list[TrainBatch], proximal: list[torch.Tensor], cfg: Any
+        self, batch: TrainBatch, micro: list[TrainBatch], proximal: list[torch.Tensor], settings: Objective
     ) -> dict[str, float]:
         """One optimizer step on `batch`, accumulating gradients over micro-batches (`PolicyObjective`)."""
         t0 = time.perf_counter()
@@ -243,7 +258,7 @@ class FSDPEngine:
         g_tokens, g_rows, g_n = self.all_sum([tokens, rows, float(len(batch))])
         both = self.head == "lm+value"
         objective = PolicyObjective(
-            batch, cfg, self.device, value_head=both, temperature=self.temperature, g_tokens=g_tokens,
+            batch, settings, self.device, value_head=both, temperature=self.temperature, g_tokens=g_tokens,
             g_rows=g_rows, g_n=g_n, ranks=self.world,
         )  # fmt: skip
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
@@ -253,7 +268,7 @@ class FSDPEngine:
                 self.model.set_requires_gradient_sync(k == n_chunks - 1)
             mb = micro[k] if k < len(micro) else dataclasses.replace(micro[0], mask=micro[0].mask & False)
             mask = mb.mask.to(self.device)
-            forward = self._policy_forward(mb, self.temperature, entropy_grad=cfg.entropy_coef > 0)
+            forward = self._policy_forward(mb, self.temperature, entropy_grad=settings.loss.entropy_coef > 0)
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
             objective.backward(mb, forward, prox, behaviour, mask)
@@ -295,14 +310,17 @@ class FSDPEngine:
             out[chunks[k], : mb.mask.shape[1]] = self.forward_values(mb).cpu()
         return out
 
-    def update_value(self, batch: TrainBatch, cfg: Any) -> dict[str, float]:
-        """`cfg.epochs` optimizer steps of the clipped value loss (cfg.value_clip) on `batch`, which
-        carries the values its advantages were computed with and the returns."""
+    def update_value(
+        self, batch: TrainBatch, *, clip: float | None = 0.2, epochs: int = 1
+    ) -> dict[str, float]:
+        """`epochs` optimizer steps of the value loss, clipped at `clip` around the values its advantages
+        were computed with (None: plain squared error), on `batch`, which carries those values and the
+        returns."""
         assert batch.values is not None and batch.returns is not None, "update_value needs values, returns"
         order = torch.argsort(batch.attention_mask.sum(1), descending=True)
-        chunks = list(order.split(cfg.micro_batch))
+        chunks = list(order.split(self.memory.micro_batch))
         results = []
-        for _ in range(cfg.epochs):
+        for _ in range(epochs):
             t0 = time.perf_counter()
             (g_tokens,) = self.all_sum([float(batch.mask.sum())])
             n_chunks = int(self._max([len(chunks)]))
@@ -312,7 +330,7 @@ class FSDPEngine:
                     self.model.set_requires_gradient_sync(k == n_chunks - 1)
                 mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
                 mask = mb.mask.to(self.device) & (k < len(chunks))
-                loss, shares = value_terms(self.forward_values(mb), mb, mask, cfg.value_clip, g_tokens)
+                loss, shares = value_terms(self.forward_values(mb), mb, mask, clip, g_tokens)
                 (loss * self.world).backward()  # summed over the ranks, as the policy's (PolicyObjective)
                 for key, share in shares.items():
                     sums[key] += share
@@ -359,7 +377,7 @@ class FSDPEngine:
         with torch.no_grad():
             self._snapshot = [_local(p).clone() for p in self.model.parameters()]
 
-    def _proximal(self, mb: TrainBatch, cfg: Any) -> torch.Tensor:
+    def _proximal(self, mb: TrainBatch) -> torch.Tensor:
         """Logprobs of the proximal policy (the weights at the start of this step) for a micro-batch.
 
         Samples generated with those very weights need no recomputation: their behaviour logprobs are
@@ -380,6 +398,14 @@ class FSDPEngine:
                     _local(p).copy_(now)
         stale = mb.stale.to(self.device)  # per row, or per token once packed
         return torch.where(stale if stale.dim() == 2 else stale[:, None], lp.detach(), behaviour)
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """`memory.micro_batch` rows at a time, longest first (similar lengths pad little), or with
+        `memory.max_tokens_per_micro_batch` samples packed into rows by tokens (`packing.token_micro_batches`)."""
+        if self.memory.max_tokens_per_micro_batch:
+            return token_micro_batches(batch, self.memory.max_tokens_per_micro_batch)
+        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
+        return [batch.rows(c) for c in order.split(self.memory.micro_batch)]
 
     def _max(self, values: list[float]) -> float:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -466,15 +492,6 @@ class FSDPEngine:
         checkpoint by a service that re-joins a run past it)."""
         self.steps = steps
         self._set_lr()
-
-
-def _micro_batches(batch: TrainBatch, cfg: Any) -> list[TrainBatch]:
-    """`cfg.micro_batch` rows at a time, longest first (similar lengths pad little), or with
-    `cfg.max_tokens_per_micro_batch` samples packed into rows by tokens (`packing.token_micro_batches`)."""
-    if cfg.max_tokens_per_micro_batch:
-        return token_micro_batches(batch, cfg.max_tokens_per_micro_batch)
-    order = torch.argsort(batch.attention_mask.sum(1), descending=True)
-    return [batch.rows(c) for c in order.split(cfg.micro_batch)]
 
 
 def _scatter(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

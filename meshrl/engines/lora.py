@@ -5,7 +5,7 @@ Only the adapters are trainable, so the optimizer state and the gradients are th
 parameters, and the frozen base needs no float32 master copy: under mixed precision it is kept in the
 compute dtype. What is published is the base with each adapter's update merged in
 (`merged_parameters`, under the plain model's parameter names: any engine loads it), or, when every
-inference group the trainer feeds runs vLLM (`TrainerConfig.publishes_adapters`), only the adapter
+inference group the trainer feeds runs vLLM (the planner says so: `Weights.adapters`), only the adapter
 matrices (`adapter_parameters`, named as PEFT saves them), which vLLM loads as a LoRA adapter: a
 publication moves megabytes instead of the whole model.
 """

@@ -1,9 +1,10 @@
 """What the FSDP engine's optimizer steps minimise, and the metrics they report.
 
 The engine (`fsdp.py`) runs the forwards and the optimizer; this module turns one micro-batch's forward
-into its loss. A policy step's loss is the policy loss the config picks (`policy_loss`: PPO clip,
-decoupled PPO, truncated IS or GSPO), minus the entropy bonus, plus the KL to the reference, the
-actor-critic's clipped value loss and each teacher's distillation term. `PolicyObjective` assembles it
+into its loss. A policy step's loss is the policy loss `loss.policy` and `loss.off_policy` pick (PPO
+clip, decoupled PPO, truncated IS or GSPO), minus the entropy bonus, plus the KL to the reference, the
+actor-critic's clipped value loss and each teacher's distillation term: the sections of `Objective`
+(meshrl/engines/settings.py), each taken whole. `PolicyObjective` assembles it
 one micro-batch at a time, backpropagates it, and sums the metrics over the step's micro-batches, each
 share already normalised by the whole step (every rank's tokens), so the engine's all-reduce of the sums
 gives the step's metrics. A critic's step is the value loss alone (`value_terms`).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,17 @@ from meshrl.algorithms.losses import (
     value_loss,
 )
 from meshrl.engines.packing import TrainBatch
+from meshrl.engines.settings import DistillConfig, KLLossConfig, LossConfig, ValueHeadConfig
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a policy step minimises, as the trainer's sections say."""
+
+    loss: LossConfig
+    kl: KLLossConfig
+    distill: DistillConfig
+    value: ValueHeadConfig
 
 
 class PolicyObjective:
@@ -41,7 +53,7 @@ class PolicyObjective:
     def __init__(
         self,
         batch: TrainBatch,
-        cfg: Any,
+        settings: Objective,
         device: torch.device,
         *,
         value_head: bool,
@@ -51,10 +63,10 @@ class PolicyObjective:
         g_n: float,
         ranks: int = 1,
     ) -> None:
-        self.cfg, self.device, self.temperature, self.ranks = cfg, device, temperature, ranks
+        self.settings, self.device, self.temperature, self.ranks = settings, device, temperature, ranks
         # a step without tokens (every sample failed to score) has loss 0, not 0 / 0
         self.g_tokens, self.g_rows = g_tokens, max(g_rows, 1.0)
-        self.normalizer = max(g_tokens if cfg.loss_agg == "token-mean" else g_n, 1.0)
+        self.normalizer = max(g_tokens if settings.loss.aggregation == "token-mean" else g_n, 1.0)
         keys = ("pg_loss", "entropy", "kl_ref", "kl_behaviour", "clip_fraction", "approx_kl")
         self.sums = dict.fromkeys(keys, 0.0)
         self.sums.update(is_weight_mean=0.0, is_truncated_fraction=0.0)
@@ -77,21 +89,22 @@ class PolicyObjective:
         """Backpropagate the loss of micro-batch `mb` and add its metrics. `forward`: the engine's
         (logprobs, entropy, logits or None, values or None) of it; `mask` its tokens on the engine's
         device. The entropy enters the loss only with a coefficient: a metric needs no gradient."""
-        cfg, sums, tokens = self.cfg, self.sums, max(self.g_tokens, 1.0)
+        cfg, sums, tokens = self.settings, self.sums, max(self.g_tokens, 1.0)
+        agg = cfg.loss.aggregation
         lp, ent, logits, values = forward
         advantages = mb.advantages.to(self.device)
-        out = policy_loss(lp, proximal, behaviour, advantages, mask, cfg, self.normalizer, self.g_rows)
-        ent_term = aggregate(ent, mask, cfg.loss_agg, self.normalizer)
-        loss = out.loss - cfg.entropy_coef * ent_term if cfg.entropy_coef > 0 else out.loss
+        out = policy_loss(lp, proximal, behaviour, advantages, mask, cfg.loss, self.normalizer, self.g_rows)
+        ent_term = aggregate(ent, mask, agg, self.normalizer)
+        loss = out.loss - cfg.loss.entropy_coef * ent_term if cfg.loss.entropy_coef > 0 else out.loss
         if mb.ref_logprobs is not None:
-            kl_ref = kl(lp, mb.ref_logprobs.to(self.device), cfg.kl_estimator)
-            kl_term = aggregate(kl_ref, mask, cfg.loss_agg, self.normalizer)
-            if cfg.kl_coef > 0:
-                loss = loss + cfg.kl_coef * kl_term
+            kl_ref = kl(lp, mb.ref_logprobs.to(self.device), cfg.kl.estimator)
+            kl_term = aggregate(kl_ref, mask, agg, self.normalizer)
+            if cfg.kl.coef > 0:
+                loss = loss + cfg.kl.coef * kl_term
             sums["kl_ref"] += float(kl_term.detach())
         if values is not None and mb.returns is not None and mb.values is not None:
-            v_loss, v_sums = value_terms(values, mb, mask, cfg.value_clip, self.g_tokens)
-            loss = loss + cfg.value_coef * v_loss
+            v_loss, v_sums = value_terms(values, mb, mask, cfg.value.clip, self.g_tokens)
+            loss = loss + cfg.value.coef * v_loss
             for key, share in v_sums.items():
                 sums[key] += share
         for name, teacher in mb.teachers.items():
@@ -120,17 +133,18 @@ class PolicyObjective:
     ) -> torch.Tensor:
         """`loss` plus the term of teacher `name` (the forward KL to its top-k, weighted, unless
         distill_coef is 0), adding its metrics: the KL, top-1 agreement and reverse KL of the samples."""
-        cfg, sums, tokens = self.cfg, self.sums, max(self.g_tokens, 1.0)
+        distill, sums, tokens = self.settings.distill, self.sums, max(self.g_tokens, 1.0)
         top_ids, top_lp, sampled = teacher
         d_loss, per = topk_forward_kl(
             logits, top_ids.to(self.device), top_lp.to(self.device), mask, temperature=self.temperature,
-            floor=cfg.distill_floor, aggregation=cfg.loss_agg, normalizer=self.normalizer,
+            floor=distill.floor, aggregation=self.settings.loss.aggregation, normalizer=self.normalizer,
         )  # fmt: skip
-        if cfg.distill_coef > 0:
-            loss = loss + cfg.distill_coef * cfg.teachers[name] * d_loss
+        weight = distill.teachers[name]
+        if distill.coef > 0:
+            loss = loss + distill.coef * weight * d_loss
         with torch.no_grad():
             reverse = torch.where(mask, lp.detach() - sampled.to(self.device), 0.0).sum()
-            sums["distill_loss"] += cfg.teachers[name] * float(d_loss.detach())
+            sums["distill_loss"] += weight * float(d_loss.detach())
             sums[f"{name}_kl"] += float(per["kl"].sum()) / tokens
             sums[f"{name}_agreement"] += float(per["agree"].sum()) / tokens
             sums[f"{name}_reverse_kl"] += float(reverse) / tokens
@@ -147,8 +161,8 @@ class PolicyObjective:
     ) -> dict[str, float]:
         """The step's metrics from `reduced` (`sums` summed over every rank), with the step's loss and
         the maxima over every rank (`reduce_max`: collective)."""
-        cfg = self.cfg
-        if cfg.off_policy == "none":
+        cfg = self.settings
+        if cfg.loss.off_policy == "none":
             for key in ("is_weight_mean", "is_truncated_fraction"):
                 del reduced[key]
         else:
@@ -156,10 +170,10 @@ class PolicyObjective:
         return {
             **reduced,
             "loss": reduced["pg_loss"]
-            - cfg.entropy_coef * reduced["entropy"]
-            + cfg.kl_coef * reduced["kl_ref"]
-            + (cfg.distill_coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0)
-            + (cfg.value_coef * reduced["value_loss"] if "value_loss" in reduced else 0.0),
+            - cfg.loss.entropy_coef * reduced["entropy"]
+            + cfg.kl.coef * reduced["kl_ref"]
+            + (cfg.distill.coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0)
+            + (cfg.value.coef * reduced["value_loss"] if "value_loss" in reduced else 0.0),
             "ratio_max": reduce_max([self.ratio_max]),
         }
 
@@ -170,25 +184,27 @@ def policy_loss(
     behaviour: torch.Tensor,
     adv: torch.Tensor,
     mask: torch.Tensor,
-    cfg: Any,
+    cfg: LossConfig,
     normalizer: float,
     g_rows: float,
 ) -> PolicyLoss:
     """The policy loss `cfg` names: GSPO, or by `cfg.off_policy` PPO clipping current / behaviour
     ("none"), decoupled PPO clipping current / proximal ("decoupled"), truncated IS ("tis")."""
-    if cfg.policy_loss == "gspo":
+    if cfg.policy == "gspo":
         old = behaviour if cfg.off_policy == "none" else proximal
         return gspo(lp, old, adv, mask, normalizer=g_rows)
     if cfg.off_policy == "decoupled":
         return decoupled_ppo(
             lp, proximal, behaviour, adv, mask, cap=cfg.is_cap, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip, aggregation=cfg.loss_agg, normalizer=normalizer,
+            dual_clip=cfg.dual_clip, aggregation=cfg.aggregation, normalizer=normalizer,
         )  # fmt: skip
     if cfg.off_policy == "tis":
-        return tis(lp, behaviour, adv, mask, cap=cfg.is_cap, aggregation=cfg.loss_agg, normalizer=normalizer)
+        return tis(
+            lp, behaviour, adv, mask, cap=cfg.is_cap, aggregation=cfg.aggregation, normalizer=normalizer
+        )
     return ppo_clip(
         lp, behaviour, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-        aggregation=cfg.loss_agg, normalizer=normalizer,
+        aggregation=cfg.aggregation, normalizer=normalizer,
     )  # fmt: skip
 
 

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from meshrl.engines.base import FINISH_INTERRUPTED, FINISH_LENGTH, Completion, InferenceEngine, SamplingParams
-from meshrl.roles.inference.config import SimGeneration
-from meshrl.roles.trainer.config import SimTraining
+from meshrl.engines.settings import SimGeneration, SimTraining
 
 WEIGHTS = (("w", (256,), "float32"),)  # a token model for the weight-publication path
 
@@ -84,15 +83,17 @@ class SimInferenceEngine(InferenceEngine):
 class SimTrainEngine:
     """Stands in for FSDPEngine in the trainer service."""
 
-    def __init__(self, sim: SimTraining) -> None:
-        self.sim = sim
+    def __init__(self, sim: SimTraining, lr: float = 0.0) -> None:
+        self.sim, self.lr = sim, lr
         self.steps = 0
         self.weights = torch.zeros(WEIGHTS[0][1])
 
-    def update_policy(self, batch: Any, cfg: Any) -> dict[str, float]:
+    def update_policy(
+        self, batch: Any, loss: Any = None, *, epochs: int = 1, **sections: Any
+    ) -> dict[str, float]:
         t0 = time.perf_counter()
-        time.sleep(float(batch.mask.sum()) * self.sim.token_s * cfg.epochs)
-        self.steps += cfg.epochs
+        time.sleep(float(batch.mask.sum()) * self.sim.token_s * epochs)
+        self.steps += epochs
         self.weights += 1
         spent = time.perf_counter() - t0
         zero = dict.fromkeys(
@@ -103,7 +104,7 @@ class SimTrainEngine:
             "loss": 0.0,
             "ratio_max": 1.0,
             "grad_norm": 0.0,
-            "lr": cfg.lr,
+            "lr": self.lr,
             "nan_skipped": 0.0,
             "time/forward_backward_s": spent,
             "time/optimizer_s": 0.0,

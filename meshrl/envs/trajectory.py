@@ -9,9 +9,6 @@ trainer masks its loss with `loss_mask`, so environment tokens get no gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 
@@ -52,12 +49,13 @@ class Trajectory:
         mine = [v for v in self.versions if v >= 0]
         return (min(mine), max(mine)) if mine else (-1, -1)
 
-    def sample(self) -> dict[str, Any]:
-        """The columns of the trained sample (one row)."""
+    def sample(self) -> dict[str, list[int] | list[float]]:
+        """The columns of the trained sample (one row), as lists: prompt and response ids, behaviour
+        logprobs, loss mask and weight versions of the response's tokens."""
         return {
-            PROMPT: torch.tensor(self.ids[: self.prompt_len], dtype=torch.int64),
-            RESPONSE: torch.tensor(self.ids[self.prompt_len :], dtype=torch.int64),
-            LOGPROBS: torch.tensor(self.logprobs, dtype=torch.float32),
-            LOSS_MASK: torch.tensor(self.mask, dtype=torch.int8),
-            TOKEN_VERSIONS: torch.tensor(self.versions, dtype=torch.int64),
+            PROMPT: self.ids[: self.prompt_len],
+            RESPONSE: self.ids[self.prompt_len :],
+            LOGPROBS: self.logprobs,
+            LOSS_MASK: self.mask,
+            TOKEN_VERSIONS: self.versions,
         }

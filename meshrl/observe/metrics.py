@@ -64,7 +64,7 @@ CATALOGUE: dict[str, Metric] = {
     "loss": Metric(M, "the policy's whole loss"),
     "pg_loss": Metric(M, "policy-gradient term"),
     "entropy": Metric(M, "entropy of the policy at response tokens"),
-    "kl_ref": Metric(M, "KL to the reference policy (its estimator: trainer.kl_estimator)"),
+    "kl_ref": Metric(M, "KL to the reference policy (its estimator: trainer.kl.estimator)"),
     "kl_coef": Metric(M, "coefficient of the KL term (adaptive with kl_target)"),
     "kl_behaviour": Metric(M, "k3 KL from the behaviour policy (inference) to the trained one"),
     "clip_fraction": Metric(M, "share of tokens whose ratio was clipped"),

@@ -1,9 +1,10 @@
 """Everything that can be wrong with a recipe on a given device list, found before anything starts.
 
-`problems(recipe, devices)` lists them all, each naming the recipe field to change: the device list
-itself, the colocation rings, the number of devices, columns someone reads that nobody writes, and
-each service config's own `check` against the whole recipe (paths, engines, settings that involve
-other services). Rules that belong to one role or engine live in that config's `check`, not here.
+`problems(recipe, devices, wiring)` lists them all, each naming the recipe field to change: the device
+list itself, the colocation rings, the number of devices, and each service config's own `check`
+against the recipe and its wiring (paths, engines, the settings handed to it). The wiring's own
+problems (a column someone reads that nobody writes, a write nobody reads: meshrl/planning/wiring.py)
+come with them. Rules that belong to one role or engine live in that config's `check`, not here.
 """
 
 from __future__ import annotations
@@ -12,31 +13,22 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from meshrl.planning.recipe import ColocationRing, Recipe, Scheduling, ServiceGroup
-from meshrl.schema import ENV_REWARD, REF_LOGPROBS, RM_SCORE, VALUES, teacher_columns
 
 if TYPE_CHECKING:
     from meshrl.planning.topology import Device
-
-# Friendly hints for a column nobody writes.
-PRODUCER_HINTS = {
-    VALUES: "add a critic service group (or enable the trainer's value head)",
-    REF_LOGPROBS: "add a reference service group",
-    RM_SCORE: "add a reward-model service group",
-    ENV_REWARD: "add an environment service group (meshrl.roles.env.config.EnvConfig)",
-    **dict.fromkeys(teacher_columns("teacher"), "add a teacher service group"),
-}
+    from meshrl.planning.wiring import Wiring
 
 
-def problems(recipe: Recipe, devices: Sequence[Device]) -> list[str]:
-    """Every problem of `recipe` on `devices`, in a stable order."""
+def problems(recipe: Recipe, devices: Sequence[Device], wiring: dict[str, Wiring]) -> list[str]:
+    """Every problem of `recipe` on `devices` with its `wiring` (the wiring's own not included), in a
+    stable order."""
     out = list(_devices(devices))
     ring_of: dict[str, str] = {}
     for ring in recipe.rings:
-        out += _ring(recipe, ring, ring_of)
+        out += _ring(recipe, ring, ring_of, wiring)
     out += _device_count(recipe, len(devices))
-    out += _columns(recipe)
     for g in recipe.groups:
-        out += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(recipe, g)]
+        out += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(recipe, g, wiring[g.id])]
     return out
 
 
@@ -62,7 +54,9 @@ def _devices(devices: Sequence[Device]) -> Iterator[str]:
         yield f"devices: global ranks must be 0..{len(devices) - 1} exactly once, got {ranks[:16]}"
 
 
-def _ring(recipe: Recipe, ring: ColocationRing, ring_of: dict[str, str]) -> Iterator[str]:
+def _ring(
+    recipe: Recipe, ring: ColocationRing, ring_of: dict[str, str], wiring: dict[str, Wiring]
+) -> Iterator[str]:
     """Problems of one ring; `ring_of` collects group -> ring over the recipe's rings."""
     where = f"rings[{ring.id!r}]"
     groups = {g.id: g for g in recipe.groups}
@@ -90,6 +84,8 @@ def _ring(recipe: Recipe, ring: ColocationRing, ring_of: dict[str, str]) -> Iter
             )
     for g in known:
         yield from _ring_member(where, ring, g)
+    if ring.hybrid:
+        yield from _hybrid_weights(recipe, where, ring, wiring)
 
 
 def _ring_member(where: str, ring: ColocationRing, g: ServiceGroup) -> Iterator[str]:
@@ -100,6 +96,29 @@ def _ring_member(where: str, ring: ColocationRing, g: ServiceGroup) -> Iterator[
             f"{where}.hybrid: {g.id!r} has {g.devices_per_replica} devices per replica; co-process members "
             "use one (a sharded trainer cannot lend its weights yet)"
         )
+
+
+def _hybrid_weights(
+    recipe: Recipe, where: str, ring: ColocationRing, wiring: dict[str, Wiring]
+) -> Iterator[str]:
+    """A trainer in a hybrid ring lends its model to the inference in its own process: every group it
+    publishes to must be in the ring, and it must publish whole weights (merged, not LoRA adapters)."""
+    members = {m.group for m in ring.members}
+    for gid in sorted(members & set(wiring)):
+        link = wiring[gid].weights
+        if link is None or link.source != gid:
+            continue
+        missing = [r for r in link.receivers if r not in members]
+        if missing:
+            yield (
+                f"{where}.members: {missing} must be in the hybrid ring with {gid!r} (it publishes by lending "
+                "its model to the inference in its own process)"
+            )
+        if recipe.group(gid).config.adapters() is not None:
+            yield (
+                f"{where}.hybrid: {gid!r} trains LoRA adapters; the ring lends its model to inference, which "
+                "would generate with the adapters unmerged (publish to inference instead)"
+            )
 
 
 def _device_count(recipe: Recipe, available: int) -> Iterator[str]:
@@ -114,13 +133,3 @@ def _device_count(recipe: Recipe, available: int) -> Iterator[str]:
             f"groups: {available} devices but the recipe uses {need} ({demand}); "
             f"run with {need} devices or add replicas"
         )
-
-
-def _columns(recipe: Recipe) -> Iterator[str]:
-    written = {(part, c) for g in recipe.groups for part, cols in g.config.writes().items() for c in cols}
-    for g in recipe.groups:
-        for part, cols in g.config.reads().items():
-            for c in cols:
-                if (part, c) not in written:
-                    hint = PRODUCER_HINTS.get(c, "add a service that writes it")
-                    yield f"groups[{g.id!r}].config reads {part}.{c}, which no service writes: {hint}"

@@ -2,8 +2,10 @@
 
 A config lists every problem of its own fields at once (`validate`), each as "field: what to change";
 fields typed `Literal[...]` are checked against their allowed values here, for every config, so no
-config repeats that check. A service's config also declares the columns it reads and writes and
-checks itself against the whole recipe (`check`), which the planner calls before anything starts.
+config repeats that check. A service's config also declares its side of the run's wiring (what it
+reads and writes, whose weights it follows, the settings it needs and offers: meshrl/planning/wiring.py)
+and checks itself against the recipe and its wiring (`check`), which the planner calls before anything
+starts.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
-
-Columns = dict[str, tuple[str, ...]]  # partition -> column names
+    from meshrl.planning.wiring import Read, Wiring, Write
 
 
 class RecipeError(ValueError):
@@ -58,22 +59,42 @@ class ServiceConfig(Config):
     whole run from a checkpoint."""
     moved: ClassVar[dict[str, str]] = {}
     """Fields that are gone, by old name: what to write instead (an override naming one says so)."""
+    publishes_weights: ClassVar[bool] = False
+    """A weight source: the groups that follow it receive every version it publishes (the trainer)."""
 
-    def reads(self) -> Columns:
-        """Columns this service consumes, per partition."""
+    def reads(self) -> tuple[Read, ...]:
+        """The rows this service claims (meshrl/planning/wiring.py)."""
+        return ()
+
+    def writes(self) -> tuple[Write, ...]:
+        """The columns this service adds to rows."""
+        return ()
+
+    def follows(self) -> str | None:
+        """The group whose weights this service receives (inference: its trainer), if any."""
+        return None
+
+    def applies_adapters(self) -> bool:
+        """Whether this receiver applies LoRA adapters itself (so a trainer may publish them alone)."""
+        return False
+
+    def adapters(self) -> Any:
+        """A weight source's LoRA settings, when it trains adapters (else None)."""
+        return None
+
+    def needs(self) -> dict[str, str]:
+        """Settings this service takes from another group, by name, each with what to do when no
+        group offers it; they arrive in its wiring's `inputs`."""
         return {}
 
-    def writes(self) -> Columns:
-        """Columns this service produces, per partition."""
+    def offers(self) -> dict[str, Any]:
+        """Settings this service offers to groups that need them, by name."""
         return {}
 
-    def retention(self) -> Columns:
-        """Per partition, the consumers after whose acks a row is deleted (this service is terminal)."""
-        return {}
-
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
-        """Problems of this config in the context of the whole recipe (paths, devices, rings, other
-        services). Each message names the field. Called by the planner before anything starts."""
+    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+        """Problems of this config in the context of the recipe (paths, devices, rings) and of its wiring
+        (the settings handed to it). Each message names the field. Called by the planner before anything
+        starts; problems between groups are the planner's (meshrl/planning/checks.py, wiring.py)."""
         return []
 
 

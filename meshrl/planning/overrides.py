@@ -1,7 +1,7 @@
 """`key=value` overrides of a recipe, as typed on the command line.
 
     seed=3   total_steps=50   temperature=0.7                    a field of the recipe
-    trainer.lr=1e-4   inference.vllm.kv_cache_gb=4                a field of a group's config
+    trainer.optim.lr=1e-4   inference.vllm.kv_cache_gb=4          a field of a group's config (or of one of its sections)
     trainer.devices_per_replica=2   critic.restart.mode=on-failure  a field of the group itself
     *.model=/path                                                 every group whose config has the field
 

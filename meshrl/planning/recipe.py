@@ -250,17 +250,33 @@ def read_recipe(path: str | Path) -> Recipe:
 
 
 def _call(fn: Any, path: Path) -> Any:
-    """`fn()`, with the message of a config built with a field that moved to the recipe."""
+    """`fn()`, with the message of a config built with a field that moved (to the recipe, or into a
+    section of the config: `ServiceConfig.moved`)."""
     try:
         return fn()
     except TypeError as e:
-        moved = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(e))
-        if moved is None or moved.group(2) not in RECIPE_WIDE:
+        found = re.search(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(e))
+        if found is None:
             raise
-        config, name = moved.groups()
-        raise RecipeError(
-            [f"{path}: {config}({name}=...): {name} is set once for the whole recipe: Recipe({name}=...)"]
-        ) from None
+        config, name = found.groups()
+        if name in RECIPE_WIDE:
+            raise RecipeError(
+                [f"{path}: {config}({name}=...): {name} is set once for the whole recipe: Recipe({name}=...)"]
+            ) from None
+        instead = next(
+            (c.moved[name] for c in _subclasses(ServiceConfig) if c.__name__ == config and name in c.moved),
+            None,
+        )
+        if instead is None:
+            raise
+        raise RecipeError([f"{path}: {config}({name}=...): {name} has moved: set {instead}"]) from None
+
+
+def _subclasses(cls: type[Any]) -> list[type[Any]]:
+    out: list[type[Any]] = []
+    for sub in type.__subclasses__(cls):
+        out += [sub, *_subclasses(sub)]
+    return out
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

@@ -29,6 +29,7 @@ from meshrl.planning import checks
 from meshrl.planning.checks import devices_needed
 from meshrl.planning.config import RecipeError
 from meshrl.planning.recipe import Recipe, Scheduling
+from meshrl.planning.wiring import Wiring, wire
 
 SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
@@ -101,6 +102,10 @@ class Topology:
     controller_host: str
     controller_port: int
     storage: tuple[tuple[str, int, int], ...]  # (host, launcher rank that runs it, port)
+    wiring: dict[str, Wiring]
+    """Each group's part of the run's wiring (meshrl/planning/wiring.py)."""
+    stateful: tuple[str, ...] = ()
+    """The groups that take part in checkpoints (each process saves its state when the trainer asks)."""
 
     def processes_on(self, rank: int) -> list[Process]:
         return [p for r in self.replicas for p in r.processes if p.rank == rank]
@@ -146,7 +151,8 @@ def cohosts(recipe: Recipe, topology: Topology) -> dict[str, tuple[Process, ...]
 def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
     """Who runs where, on which ports; every problem of the recipe on these devices is raised at once."""
     devs = sorted(devices)
-    found = checks.problems(recipe, devs)
+    wiring, found = wire(recipe)
+    found += checks.problems(recipe, devs, wiring)
     if found:
         raise RecipeError(found)
     replicas = place(recipe, devs)
@@ -159,7 +165,8 @@ def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
     hosts = hosts or {"localhost": 0}
     controller_host = devs[0].host if devs else "localhost"
     storage = tuple((h, r, recipe.base_port + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
-    return Topology(tuple(devs), replicas, controller_host, recipe.base_port, storage)
+    stateful = tuple(g.id for g in recipe.groups if g.config.stateful)
+    return Topology(tuple(devs), replicas, controller_host, recipe.base_port, storage, wiring, stateful)
 
 
 def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.wiring import Read, Write
 from meshrl.runtime.service import Service
 
 
@@ -29,8 +30,8 @@ class CounterProducerConfig(ServiceConfig):
         if self.count < 1 or self.batch < 1:
             yield "count, batch: must be >= 1"
 
-    def writes(self) -> Columns:
-        return {"counter": ("n",)}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("counter", "counter", ("n",)),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,17 +45,18 @@ class CounterConsumerConfig(ServiceConfig):
     delay_s: float = 0.0
     """Pause after each batch (to watch a run with `meshrl status`)."""
 
-    def reads(self) -> Columns:
-        return {"counter": ("n",)}
+    def reads(self) -> tuple[Read, ...]:
+        return (Read("counter", "counter", ("n",), consumer="consumer"),)
 
 
 class CounterProducer(Service):
     def run(self) -> None:
         cfg = self.ctx.config
         assert isinstance(cfg, CounterProducerConfig)
+        partition = self.ctx.wiring.partition("counter")
         with self.ctx.client() as c:
             for start in range(0, cfg.count, cfg.batch):
-                c.put("counter", {"n": torch.arange(start, min(cfg.count, start + cfg.batch))})
+                c.put(partition, {"n": torch.arange(start, min(cfg.count, start + cfg.batch))})
                 self.ctx.health.info["written"] = min(cfg.count, start + cfg.batch)
         while not self.finished():
             time.sleep(0.05)
@@ -65,12 +67,13 @@ class CounterConsumer(Service):
         cfg = self.ctx.config
         assert isinstance(cfg, CounterConsumerConfig)
         seen: list[int] = []
+        claim = self.ctx.wiring.claim("counter")
         with self.ctx.client() as c:
             while len(seen) < cfg.expect:
-                b = c.claim("counter", "consumer", ["n"], cfg.batch, timeout=1.0)
+                b = c.claim(claim.partition, claim.consumer, list(claim.columns), cfg.batch, timeout=1.0)
                 seen.extend(b.tensor("n").tolist() if b else [])
                 c.ack(b)
-                c.delete("counter", b.ids)
+                c.delete(claim.partition, b.ids)
                 self.ctx.health.info["read"] = len(seen)
                 time.sleep(cfg.delay_s)
                 if cfg.fail_after is not None and len(seen) >= cfg.fail_after:

@@ -1,8 +1,9 @@
 """Services that add columns to sample rows with a frozen model: the reference and the reward model.
 
-Each is the same loop over the data plane: claim up to `max_batch` rows of `samples` that have the
-columns it needs (replicas share the work under the group's consumer name), compute its column on the
-rows in forwards of at most `max_tokens` padded tokens, write it into the same rows, acknowledge. The
+Each is the same loop over the data plane: claim up to `max_batch` rows that have the columns it needs
+(its wiring's "score" claim: completed samples; replicas share the work under the group's consumer
+name), compute its column on the rows in forwards of at most `max_tokens` padded tokens, write it into
+the same rows, acknowledge. The
 trainer, whose claim lists that column, only ever sees rows that have it; nothing else changes.
 """
 
@@ -15,7 +16,6 @@ import torch
 from meshrl.dataplane import AsyncClient, Batch, Client, DataPlaneError, Ragged
 from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.runtime.service import Service
-from meshrl.schema import PROMPT, RESPONSE, SAMPLES
 
 __all__ = ["ScorerConfig", "ScorerService", "put_missing", "put_missing_async"]
 
@@ -50,10 +50,9 @@ def right_padded(
 
 
 class ScorerService(Service):
-    """Subclasses set `needs` and implement `load()` (which sets `self.model`, the frozen module) and
+    """Subclasses implement `load()` (which sets `self.model`, the frozen module) and
     `score(batch) -> columns`."""
 
-    needs: tuple[str, ...] = (PROMPT, RESPONSE)
     model: Any
 
     def setup(self) -> None:
@@ -76,11 +75,11 @@ class ScorerService(Service):
         raise NotImplementedError
 
     def run(self) -> None:
-        cfg = self.config
+        cfg, claim = self.config, self.ctx.wiring.claim("score")
         stream = self.client.stream(
-            SAMPLES,
-            self.ctx.replica.group,
-            self.needs,
+            claim.partition,
+            claim.consumer,
+            claim.columns,
             cfg.max_batch,
             poll=1.0,
             lease=LEASE_S,
@@ -102,7 +101,7 @@ class ScorerService(Service):
             stream.close()
 
     def write(self, batch: Batch, columns: dict[str, Any]) -> None:
-        kept = put_missing(self.client, SAMPLES, columns, batch.ids)
+        kept = put_missing(self.client, batch.partition, columns, batch.ids)
         if kept:
             self.log.info(
                 "%d of %d rows were scored already (by a process before this one) or are gone",

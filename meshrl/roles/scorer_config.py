@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrl.models.hub import missing
-from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.wiring import Read
 from meshrl.schema import PROMPT, RESPONSE, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.wiring import Wiring
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,10 +40,10 @@ class ScorerConfig(ServiceConfig):
         if self.max_tokens < 1:
             yield "max_tokens: must be >= 1"
 
-    def reads(self) -> Columns:
-        return {SAMPLES: (PROMPT, RESPONSE)}
+    def reads(self) -> tuple[Read, ...]:
+        return (Read("score", SAMPLES, (PROMPT, RESPONSE)),)
 
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))

@@ -69,7 +69,7 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from meshrl.dataplane import Batch, Ragged
-    from meshrl.roles.inference.service import build_engine
+    from meshrl.roles.inference.engine import build_engine
     from meshrl.roles.rollout import reward_functions
     from meshrl.roles.rollout.data import encode, load_rows
     from meshrl.roles.rollout.evaluation import results, summarize
@@ -103,7 +103,7 @@ def generate(
     """One completion per meta row (greedy or sampled), in batches of `inference.max_batch`, seeded as
     the inference service seeds evaluation rows."""
     from meshrl.engines.base import SamplingParams
-    from meshrl.roles.inference.service import row_seed
+    from meshrl.roles.inference.engine import row_seed
 
     out: list[list[int]] = [[] for _ in meta]
     for greedy in (False, True):

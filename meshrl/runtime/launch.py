@@ -36,9 +36,10 @@ from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.observe.follow import Follower, backlog
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
+from meshrl.planning.wiring import partitions
 from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
 from meshrl.runtime.zygote import Forker, ZygoteDied
-from meshrl.schema import BY, CONTROL, EVENT, FAILED
+from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, CONTROL, EVENT, FAILED
 from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
@@ -239,7 +240,7 @@ class Launcher:
         if self.lead:
             (self.run_dir / "dataplane.json").write_text(json.dumps({"controller": controller}) + "\n")
         if self.lead or storage:
-            partitions = _partitions(recipe) if self.lead else []
+            partitions = _partitions(recipe, topology) if self.lead else []
             run, shm_dir = _prepare_dataplane(controller, secret, partitions)
             if storage:  # this launcher's host: what is left of the run there is removed at the end
                 self.segments = (shm_dir, f"meshrl-{run}-")
@@ -403,16 +404,15 @@ class Launcher:
             sweep(*self.segments)
 
 
-def _partitions(recipe: Recipe) -> list[tuple[str, int, list[str]]]:
-    """(name, capacity, consumers whose acks delete a row) of every partition of the run."""
-    parts = {p for g in recipe.groups for p in g.config.writes()}
-    retain: dict[str, set[str]] = {}
-    for g in recipe.groups:
-        for p, consumers in g.config.retention().items():
-            retain.setdefault(p, set()).update(consumers)
+def _partitions(recipe: Recipe, topology: Topology) -> list[tuple[str, int, list[str]]]:
+    """(name, capacity, consumers whose acks delete a row) of every partition of the run: the control
+    and checkpoint partitions, and every partition a service writes (meshrl/planning/wiring.py)."""
+    wired = partitions(topology.wiring)
     out: list[tuple[str, int, list[str]]] = [(CONTROL, 4096, [])]
+    for p in (CHECKPOINT, CHECKPOINT_ACKS):
+        wired.setdefault(p, [])
     return out + [
-        (p, recipe.dataplane.capacity, sorted(retain.get(p, ()))) for p in sorted(parts - {CONTROL})
+        (p, recipe.dataplane.capacity, retain) for p, retain in sorted(wired.items()) if p != CONTROL
     ]
 
 

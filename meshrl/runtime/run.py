@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--resume", action="store_true", help="continue from the run directory's latest checkpoint"
     )
-    ap.add_argument("overrides", nargs="*", help="key=value, e.g. trainer.lr=1e-5 total_steps=50")
+    ap.add_argument("overrides", nargs="*", help="key=value, e.g. trainer.optim.lr=1e-5 total_steps=50")
     args = ap.parse_intermixed_args(argv)
     try:
         recipe, topology = prepare(args.recipe, args.overrides, _devices(args))

@@ -26,6 +26,7 @@ from meshrl.dataplane import AsyncClient, Client
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.recipe import Recipe
 from meshrl.planning.topology import HEALTH, Process, Replica, Topology
+from meshrl.planning.wiring import Wiring
 from meshrl.schema import BY, CONTROL, EVENT, FAILED, FINISHED
 
 if TYPE_CHECKING:
@@ -55,6 +56,12 @@ class ServiceContext:
     @property
     def config(self) -> ServiceConfig:
         return self.recipe.group(self.replica.group).config
+
+    @property
+    def wiring(self) -> Wiring:
+        """This group's part of the run's wiring: what it claims and where it writes, its weight group,
+        the settings handed to it from other groups (meshrl/planning/wiring.py)."""
+        return self.topology.wiring[self.replica.group]
 
     @property
     def name(self) -> str:

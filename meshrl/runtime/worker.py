@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     topology = plan(recipe, devices)
 
     # heavy imports (torch, transformers; done already in a zygote's child) only from here on
-    from meshrl.roles.trainer.config import TrainerConfig
     from meshrl.runtime import hybrid
     from meshrl.runtime.service import Health, ServiceContext
 
@@ -79,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     t0 = time.monotonic()
     try:
-        # a trainer first: co-hosted inference generates with the trainer's model
-        for service in sorted(services, key=lambda s: not isinstance(s.ctx.config, TrainerConfig)):
+        # a weight source (the trainer) first: co-hosted inference generates with the trainer's model
+        for service in sorted(services, key=lambda s: not s.ctx.config.publishes_weights):
             service.setup()
             service.join_ring()
         logging.getLogger("meshrl.runtime.worker").info("ready after %.1fs", time.monotonic() - t0)

@@ -68,10 +68,12 @@ def check_versions(
     from meshrl.engines.fsdp import FSDPEngine
     from meshrl.engines.optim import OptimConfig
     from meshrl.engines.packing import pack
-    from meshrl.roles.trainer.config import TrainerConfig
+    from meshrl.engines.settings import MemoryConfig
 
-    trainer = FSDPEngine(str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device), **trainer_kw)
-    cfg = TrainerConfig(model=str(arith_model), micro_batch=16)
+    memory = MemoryConfig(micro_batch=16, precision=trainer_kw.pop("precision", "fp32"))
+    trainer = FSDPEngine(
+        str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device), memory=memory, **trainer_kw
+    )
     g = torch.Generator().manual_seed(0)
     prompts = [[int(t) for t in torch.randint(4, 16, (int(n),), generator=g)] for n in (3, 5, 2, 7, 4, 6)]
     previous = None
@@ -80,7 +82,7 @@ def check_versions(
             rows = [torch.tensor(p) for p in prompts]
             batch = pack(rows, [torch.tensor([5, 6, 7])] * len(rows), [torch.full((3,), -2.0)] * len(rows),
                          torch.randn(len(rows), generator=g), torch.ones(len(rows), dtype=torch.bool))  # fmt: skip
-            trainer.update_policy(batch, cfg)
+            trainer.update_policy(batch)
             publish(engine, version, trainer.manifest(), list(trainer.get_weights()))
         assert engine.version == version
         out = engine.generate(prompts, SamplingParams(max_new_tokens=6), seeds=list(range(len(prompts))))

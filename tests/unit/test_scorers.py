@@ -104,7 +104,7 @@ def test_teacher_with_another_vocabulary_fails_at_start_up(tiny_model, tmp_path)
     recipe = load_recipe(
         REPO / "recipes" / "opd_arith.py", [f"*.model={tiny_model}", f"teacher.model={other}"]
     )
-    with pytest.raises(RecipeError, match=r"teacher's tokenizer \(\d+ tokens\) differs from trainer's"):
+    with pytest.raises(RecipeError, match=r"teacher's tokenizer \(\d+ tokens\) differs from the student's"):
         plan(recipe, [Device(i, "localhost", i) for i in range(3)])
     ok = load_recipe(REPO / "recipes" / "opd_arith.py", [f"*.model={tiny_model}"])
     assert plan(ok, [Device(i, "localhost", i) for i in range(3)]).replicas

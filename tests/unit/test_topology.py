@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.planning.config import Columns, RecipeError, ServiceConfig
+from meshrl.planning.config import RecipeError, ServiceConfig
 from meshrl.planning.recipe import ColocationRing, Recipe, RingMember, Scheduling, ServiceGroup, load_recipe
 from meshrl.planning.topology import Device, devices_needed, plan
+from meshrl.planning.wiring import Read, Write
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,8 +24,8 @@ class Writer(ServiceConfig):
     service = "x:Writer"
     columns: tuple[str, ...] = ("tokens",)
 
-    def writes(self) -> Columns:
-        return {"samples": self.columns}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("out", "samples", self.columns),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +33,16 @@ class Reader(ServiceConfig):
     service = "x:Reader"
     columns: tuple[str, ...] = ("tokens",)
 
-    def reads(self) -> Columns:
-        return {"samples": self.columns}
+    def reads(self) -> tuple[Read, ...]:
+        return (Read("in", "samples", self.columns),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trainer(Reader):
+    """A reader that publishes weights (inference groups follow it)."""
+
+    service = "x:Trainer"
+    publishes_weights = True
 
 
 def cluster(hosts: int, per_host: int) -> list[Device]:
@@ -79,7 +88,9 @@ def test_ports_never_collide_on_a_host(hosts):
         ServiceGroup(
             id="inference", config=Writer(columns=("response",)), replicas=hosts * 2, devices_per_replica=2
         ),
-        ServiceGroup(id="trainer", config=Reader(), devices_per_replica=hosts * 4),
+        ServiceGroup(
+            id="trainer", config=Reader(columns=("tokens", "ref", "response")), devices_per_replica=hosts * 4
+        ),
     )
     rings = (
         ColocationRing(
@@ -160,8 +171,11 @@ def test_ring_errors_name_the_ring_and_member():
 class Prompts(ServiceConfig):
     service = "x:Prompts"
 
-    def writes(self) -> Columns:
-        return {"samples": ("prompt",), "eval": ("prompt",)}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("feed", "samples", ("prompt",)), Write("evaluate", "eval", ("prompt",)))
+
+    def reads(self) -> tuple[Read, ...]:
+        return (Read("evaluate", "eval", ("prompt", "response")),)
 
 
 def test_a_vllm_engine_cannot_take_turns_in_a_ring(tmp_path):
@@ -174,7 +188,7 @@ def test_a_vllm_engine_cannot_take_turns_in_a_ring(tmp_path):
             ServiceGroup(id="rollout", config=Prompts()),
             ServiceGroup(id="inference", config=InferenceConfig(model=str(tmp_path), engine=engine),
                          devices_per_replica=1),
-            ServiceGroup(id="trainer", config=Reader(columns=("prompt", "response")), devices_per_replica=1),
+            ServiceGroup(id="trainer", config=Trainer(columns=("prompt", "response")), devices_per_replica=1),
         )  # fmt: skip
         members = (RingMember(group="inference", mode=Scheduling.FALLBACK), RingMember(group="trainer"))
         return Recipe(name="t", groups=groups, rings=(ColocationRing(id="shared", members=members),))
@@ -267,7 +281,7 @@ def test_every_shipped_recipe_loads_and_plans(path, tiny_model):
             [],
             "reads samples.ref_logprobs, which no service writes: add a reference",
         ),
-        ("grpo_arith.py", None, ["trainer.kl_coef=0.1"], "trainer'].config reads samples.ref_logprobs"),
+        ("grpo_arith.py", None, ["trainer.kl.coef=0.1"], "trainer'].config reads samples.ref_logprobs"),
         (
             "ppo_rm.py",
             "reward_model",
@@ -289,10 +303,10 @@ def test_a_missing_scoring_service_fails_at_start_up_saying_which_to_add(
 @pytest.mark.parametrize(
     ("path", "overrides", "message"),
     [
-        ("ppo_arith_shared.py", ["trainer.value_head=false"], "rollout.values is 'trainer', so the trainer needs value_head=true"),
+        ("ppo_arith_shared.py", ["trainer.value.head=false"], "groups['trainer'].config reads samples.advantage, which no service writes: rollout writes them, unless rollout.values='trainer' (then trainer.value.head=true computes them)"),
         ("ppo_arith_shared.py", ["rollout.values=critic"], "reads samples.values, which no service writes: add a critic service group (or enable the trainer's value head)"),
-        ("grpo_arith.py", ["trainer.value_head=true"], "value_head: rollout computes its advantages itself; with the trainer's value head set rollout.advantage=gae and rollout.values=trainer"),
-        ("ppo_arith.py", ["rollout.values=trainer", "trainer.value_head=true"], "rollout.values is 'trainer': it does not read the critic's values"),
+        ("grpo_arith.py", ["trainer.value.head=true"], "groups['trainer'].config needs gae, which no other group offers: the value head computes GAE: set rollout.advantage=gae and rollout.values=trainer"),
+        ("ppo_arith.py", ["rollout.values=trainer", "trainer.value.head=true"], "groups['critic'].config writes samples.values, which no service reads: rollout.advantage='gae' with rollout.values='critic' reads them"),
     ],
 )  # fmt: skip
 def test_values_come_from_exactly_one_critic(path, overrides, message, tiny_model):

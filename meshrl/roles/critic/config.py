@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshrl.engines.settings import MemoryConfig, OptimConfig
 from meshrl.models.hub import missing
-from meshrl.planning.config import Columns, ServiceConfig
-from meshrl.roles.trainer.config import Schedule
-from meshrl.schema import CHECKPOINT_ACKS, PROMPT, RESPONSE, RETURNS, SAMPLES, STEP, VALID, VALUES
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.wiring import Read, Write
+from meshrl.schema import PROMPT, RESPONSE, RETURNS, SAMPLES, VALID, VALUES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.wiring import Wiring
 
 VALUES_CONSUMER = "critic-values"
 TRAIN_CONSUMER = "critic"
@@ -31,18 +33,14 @@ class CriticConfig(ServiceConfig):
     model: str
     """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
-    lr: float = 1e-5
-    schedule: Schedule = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
+    optim: OptimConfig = OptimConfig()
+    """AdamW and its learning-rate schedule."""
+    memory: MemoryConfig = MemoryConfig()
+    """Micro-batches of rows, precision, activation checkpointing."""
     mini_batches: int = 1
     """Optimizer steps per batch of samples (one critic version)."""
     epochs: int = 1
     """Optimizer steps over each mini-batch."""
-    micro_batch: int = 32
-    """Rows per forward/backward."""
     value_clip: float | None = 0.2
     """Clip of the value update around the values the advantages used (None: plain squared error)."""
     max_batch: int = 64
@@ -52,27 +50,29 @@ class CriticConfig(ServiceConfig):
     threads: int = 0
 
     def validate(self) -> Iterator[str]:
-        if self.lr <= 0:
-            yield "lr: must be > 0"
         if self.mini_batches < 1 or self.epochs < 1:
             yield "mini_batches: mini_batches, epochs >= 1"
-        if self.micro_batch < 1 or self.max_batch < 1:
-            yield "micro_batch: batch sizes must be >= 1"
+        if self.max_batch < 1:
+            yield "max_batch: must be >= 1"
         if self.value_clip is not None and self.value_clip <= 0:
             yield "value_clip: must be > 0 (or None)"
 
-    def reads(self) -> Columns:
-        return {SAMPLES: (PROMPT, RESPONSE, VALUES, RETURNS, VALID)}
+    def reads(self) -> tuple[Read, ...]:
+        return (
+            Read("values", SAMPLES, (PROMPT, RESPONSE), consumer=VALUES_CONSUMER),
+            Read(
+                "train",
+                SAMPLES,
+                (PROMPT, RESPONSE, VALUES, RETURNS, VALID),
+                consumer=TRAIN_CONSUMER,
+                retains=True,
+            ),
+        )
 
-    def writes(self) -> Columns:
-        return {SAMPLES: (VALUES,), CHECKPOINT_ACKS: (STEP,)}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("values", SAMPLES, (VALUES,)),)
 
-    def retention(self) -> Columns:
-        return {SAMPLES: (TRAIN_CONSUMER,)}
-
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
-        from meshrl.roles.rollout.config import RolloutConfig
-
+    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))
@@ -82,14 +82,4 @@ class CriticConfig(ServiceConfig):
             problems.append(
                 f"mini_batches: must divide the recipe's prompts_per_step x group_size ({recipe.batch_size})"
             )
-        for g in recipe.groups:
-            if isinstance(g.config, RolloutConfig):
-                if g.config.advantage != "gae":
-                    problems.append(
-                        f"{g.id}.advantage is {g.config.advantage!r}: a critic is only used by 'gae'"
-                    )
-                elif g.config.values != "critic":
-                    problems.append(
-                        f"{g.id}.values is {g.config.values!r}: it does not read the critic's values"
-                    )
         return problems

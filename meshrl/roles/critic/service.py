@@ -34,13 +34,12 @@ import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.engines.fsdp import FSDPEngine
-from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import pack
 from meshrl.observe.metrics import JsonlSink, merged
-from meshrl.roles.critic.config import TRAIN_CONSUMER, VALUES_CONSUMER, CriticConfig
+from meshrl.roles.critic.config import CriticConfig
 from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime.service import WATCH_S, Service
-from meshrl.schema import GROUP, MEMBER, MIN_VERSION, PROMPT, RESPONSE, RETURNS, SAMPLES, VALID, VALUES
+from meshrl.schema import GROUP, MEMBER, MIN_VERSION, PROMPT, RESPONSE, RETURNS, VALID, VALUES
 from meshrl.state import checkpoint as ckpt
 from meshrl.state.statefile import StateFile
 
@@ -52,14 +51,10 @@ class CriticService(Service):
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        optim = OptimConfig(
-            lr=cfg.lr, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps,
-            total_steps=self.ctx.recipe.total_steps * cfg.mini_batches * cfg.epochs,
-            weight_decay=cfg.weight_decay, betas=cfg.betas, grad_clip=cfg.grad_clip,
-        )  # fmt: skip
         self.engine = FSDPEngine(
-            cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs,
-            seed=self.ctx.recipe.seed, head="value",
+            cfg.model, cfg.optim, memory=cfg.memory, device=self.ctx.device,
+            total_steps=self.ctx.recipe.total_steps * cfg.mini_batches * cfg.epochs,
+            loader_kwargs=cfg.loader_kwargs, seed=self.ctx.recipe.seed, head="value",
         )  # fmt: skip
         self.version = 0
         self.minibatches = 0
@@ -126,17 +121,16 @@ class CriticService(Service):
             await client.close()
 
     def claim_values(self) -> asyncio.Task[Batch]:
-        cfg = self.config
+        c = self.ctx.wiring.claim("values")
         return asyncio.create_task(
-            self.client.claim(SAMPLES, VALUES_CONSUMER, [PROMPT, RESPONSE], cfg.max_batch,
+            self.client.claim(c.partition, c.consumer, list(c.columns), self.config.max_batch,
                               timeout=WATCH_S, lease=LEASE_S)
         )  # fmt: skip
 
     def claim_train(self) -> asyncio.Task[Batch]:
-        n = self.ctx.recipe.batch_size
+        c, n = self.ctx.wiring.claim("train"), self.ctx.recipe.batch_size
         return asyncio.create_task(
-            self.client.claim(SAMPLES, TRAIN_CONSUMER, [PROMPT, RESPONSE, VALUES, RETURNS, VALID], n,
-                              min_n=n, timeout=WATCH_S, lease=LEASE_S)
+            self.client.claim(c.partition, c.consumer, list(c.columns), n, min_n=n, timeout=WATCH_S, lease=LEASE_S)
         )  # fmt: skip
 
     async def round(self) -> None:
@@ -185,7 +179,9 @@ class CriticService(Service):
                 self.replay_values -= set(ids.tolist())
                 self.valuing = ids.tolist()
                 self.persist()
-                await put_missing_async(client, SAMPLES, columns, ids)  # keeps what a predecessor wrote
+                await put_missing_async(
+                    client, batch.partition, columns, ids
+                )  # keeps what a predecessor wrote
                 await client.ack(batch, None if not later and len(ready) == len(batch) else ids)
             if later:
                 if time.monotonic() - since > LEASE_S / 3:
@@ -200,7 +196,7 @@ class CriticService(Service):
         packed = pack(
             prompts, responses, None, torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
         )
-        v = self.engine.compute_values(packed, self.config.micro_batch)
+        v = self.engine.compute_values(packed, self.config.memory.micro_batch)
         return {VALUES: [v[k][packed.mask[k]] for k in range(len(rows))]}
 
     def train(self, batch: Batch) -> None:
@@ -228,7 +224,7 @@ class CriticService(Service):
         returns, old = packed.returns[m].double(), packed.values[m].double()
         var = float(returns.var(unbiased=False)) if len(returns) > 1 else 0.0
         explained = 1.0 - float((returns - old).var(unbiased=False)) / var if var > 0 else 0.0
-        stats = self.engine.update_value(packed, self.config)
+        stats = self.engine.update_value(packed, clip=self.config.value_clip, epochs=self.config.epochs)
         self.stats.append(
             {
                 **stats,

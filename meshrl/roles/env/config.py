@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.wiring import Read, Write
 from meshrl.schema import (
     ENV_REWARD,
     GEN_BATCH,
@@ -26,6 +27,7 @@ from meshrl.schema import (
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.wiring import Wiring
 
 HISTORY = (LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS)
 """A turn row's record of the trajectory so far, one value per token of its PROMPT."""
@@ -42,10 +44,6 @@ class EnvConfig(ServiceConfig):
     """Local path of the policy: its tokenizer and chat template render the environment's messages."""
     environment: str
     """`package.module:Class`, a subclass of meshrl.envs.Environment built without arguments."""
-    rollout: str = "rollout"
-    """The rollout group whose dataset rows the environment resets from (by the row's prompt_id)."""
-    inference: str = "inference"
-    """The inference group that generates the turns (its max_new_tokens bounds one turn)."""
     parser: Literal["hermes", "plain"] = "hermes"
     """Tool-call format: "hermes" (<tool_call>{json}</tool_call>, Qwen) or "plain" (name(text))."""
     tool_role: str = "tool"
@@ -72,30 +70,26 @@ class EnvConfig(ServiceConfig):
         if self.step_timeout_s <= 0 or self.lease_s <= self.step_timeout_s:
             yield "step_timeout_s: must be > 0 and below lease_s"
 
-    def reads(self) -> Columns:
-        return {TASKS: (PROMPT,), TURNS: TURN_READS}
+    def reads(self) -> tuple[Read, ...]:
+        return (
+            Read("tasks", TASKS, (PROMPT,), consumer="env", retains=True),
+            Read("turns", TURNS, TURN_READS, consumer="env", retains=True),
+        )
 
-    def writes(self) -> Columns:
-        return {TURNS: (PROMPT, *HISTORY), SAMPLES: SAMPLE_WRITES}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("turns", TURNS, (PROMPT, *HISTORY)), Write("samples", SAMPLES, SAMPLE_WRITES))
 
-    def retention(self) -> Columns:
-        return {TASKS: ("env",), TURNS: ("env",)}
+    def needs(self) -> dict[str, str]:
+        return {"turn_tokens": "an inference group generates the turns (its max_new_tokens bounds one)"}
 
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         from meshrl.envs import Environment
-        from meshrl.roles.inference.config import InferenceConfig
-        from meshrl.roles.rollout.config import RolloutConfig
 
         problems = []
-        ids = {g.id: g for g in recipe.groups}
-        if not isinstance(getattr(ids.get(self.rollout), "config", None), RolloutConfig):
-            problems.append(f"rollout: {self.rollout!r} is not a rollout group of this recipe")
-        inference = getattr(ids.get(self.inference), "config", None)
-        if not isinstance(inference, InferenceConfig):
-            problems.append(f"inference: {self.inference!r} is not an inference group of this recipe")
-        elif inference.max_new_tokens >= self.max_tokens:
+        turn = wiring.inputs.get("turn_tokens")
+        if turn is not None and turn >= self.max_tokens:
             problems.append(
-                f"max_tokens: {self.max_tokens} leaves no room for one turn of {inference.max_new_tokens}"
+                f"max_tokens: {self.max_tokens} leaves no room for one turn of {turn} (inference.max_new_tokens)"
             )
         module, _, name = self.environment.partition(":")
         try:
@@ -105,8 +99,3 @@ class EnvConfig(ServiceConfig):
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             problems.append(f"environment: {self.environment!r} is not a subclass of meshrl.envs.Environment")
         return problems
-
-
-def has_env(recipe: Recipe) -> bool:
-    """The recipe trains multi-turn agents: trajectories start in `tasks` and are generated in `turns`."""
-    return any(isinstance(g.config, EnvConfig) for g in recipe.groups)

@@ -32,10 +32,8 @@ import torch
 
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.envs import Environment, Limits, Outcome, Renderer, Trajectory, advance, build_parser, start
-from meshrl.roles.env.config import TURN_READS, EnvConfig
-from meshrl.roles.inference.config import InferenceConfig
-from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.data import load_rows
+from meshrl.planning.wiring import Claim
+from meshrl.roles.env.config import EnvConfig
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.schema import (
     CARRIED,
@@ -46,26 +44,25 @@ from meshrl.schema import (
     LOSS_MASK,
     MIN_VERSION,
     PROMPT,
-    PROMPT_ID,
     RESPONSE,
-    SAMPLES,
-    TASKS,
+    TASK,
     TOKEN_VERSIONS,
     TRAJ_LOGPROBS,
-    TURNS,
     VERSION,
 )
+
+SAMPLE_DTYPES = {
+    PROMPT: torch.int64, RESPONSE: torch.int64, LOGPROBS: torch.float32, LOSS_MASK: torch.int8,
+    TOKEN_VERSIONS: torch.int64,
+}  # fmt: skip
+"""The dtypes of a finished trajectory's columns (`Trajectory.sample`)."""
 
 
 class EnvService(Service):
     def setup(self) -> None:
         from transformers import AutoTokenizer
 
-        cfg, recipe = self.config, self.ctx.recipe
-        rollout = recipe.group(cfg.rollout).config
-        inference = recipe.group(cfg.inference).config
-        assert isinstance(rollout, RolloutConfig) and isinstance(inference, InferenceConfig)
-        self.rows, _ = load_rows(rollout)
+        cfg, wiring = self.config, self.ctx.wiring
         module, _, name = cfg.environment.partition(":")
         self.env: Environment = getattr(importlib.import_module(module), name)()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
@@ -74,7 +71,7 @@ class EnvService(Service):
         self.limits = Limits(
             max_turns=cfg.max_turns,
             max_tokens=cfg.max_tokens,
-            max_new_tokens=inference.max_new_tokens,
+            max_new_tokens=int(wiring.inputs["turn_tokens"]),  # the inference group's max_new_tokens
             step_timeout_s=cfg.step_timeout_s,
         )
         self.counts = {"started": 0, "turns": 0, "finished": 0, "truncated": 0, "failed": 0}
@@ -99,8 +96,8 @@ class EnvService(Service):
         self.acks: dict[int, tuple[Batch, list[int]]] = {}  # by id(claim)
         self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         jobs = [
-            asyncio.create_task(self.pump(client, TASKS, (PROMPT,), self.begin)),
-            asyncio.create_task(self.pump(client, TURNS, TURN_READS, self.turn)),
+            asyncio.create_task(self.pump(client, self.ctx.wiring.claim("tasks"), self.begin)),
+            asyncio.create_task(self.pump(client, self.ctx.wiring.claim("turns"), self.turn)),
         ]
         run_over = asyncio.create_task(self.watch_run(client))
         try:
@@ -116,7 +113,7 @@ class EnvService(Service):
             with contextlib.suppress(Exception):
                 await client.close()
 
-    async def pump(self, client: AsyncClient, partition: str, columns: tuple[str, ...], handle: Any) -> None:
+    async def pump(self, client: AsyncClient, claim: Claim, handle: Any) -> None:
         """Claim as many rows as there are free slots, and handle each in a task of its own."""
         while True:
             await self.slots.acquire()
@@ -126,7 +123,12 @@ class EnvService(Service):
                 n += 1
             try:
                 batch = await client.claim(
-                    partition, "env", list(columns), n, timeout=WATCH_S, lease=self.config.lease_s
+                    claim.partition,
+                    claim.consumer,
+                    list(claim.columns),
+                    n,
+                    timeout=WATCH_S,
+                    lease=self.config.lease_s,
                 )
             except BaseException:
                 for _ in range(n):
@@ -175,11 +177,12 @@ class EnvService(Service):
 
     async def begin(self, client: AsyncClient, batch: Batch, i: int) -> None:
         """A trajectory start: reset, then its first turn row (or, if reset failed, its sample)."""
-        meta = {k: (batch.meta or [{}])[i].get(k) for k in CARRIED}  # type: ignore[union-attr]
+        row = (batch.meta or [{}])[i] or {}
+        meta = {k: row.get(k) for k in CARRIED}
         meta["traj"] = int(batch.ids[i])
         meta["t0"] = t0 = time.time()
         self.span = self.span or [t0, t0]
-        out = await start(self.env, self.renderer, self.rows[int(meta[PROMPT_ID] or 0)], self.limits)
+        out = await start(self.env, self.renderer, json.loads(str(row.get(TASK) or "{}")), self.limits)
         meta["env_s"] = time.time() - t0
         self.counts["started"] += 1
         await (self.finish(client, out, meta, 0) if out.done else self.write_turn(client, out, meta))
@@ -213,7 +216,13 @@ class EnvService(Service):
         }
         row = {**meta, "turn": traj.turns, "prompt_len": traj.prompt_len, "gen_s_total": traj.gen_s,
                "state": json.dumps(out.state)}  # fmt: skip
-        await client.put(TURNS, columns, meta=[row], timeout=3600, key=f"turn/{meta['traj']}/{traj.turns}")
+        await client.put(
+            self.ctx.wiring.partition("turns"),
+            columns,
+            meta=[row],
+            timeout=3600,
+            key=f"turn/{meta['traj']}/{traj.turns}",
+        )
 
     async def finish(self, client: AsyncClient, out: Outcome, meta: dict[str, Any], gen_batch: int) -> None:
         """The trajectory's sample into `samples` (reward NaN when it failed: rollout counts it)."""
@@ -222,7 +231,9 @@ class EnvService(Service):
             traj.add_env([self.renderer.stop])
         first, last = traj.version_range
         need = int(meta.get(MIN_VERSION) or 0)
-        columns: dict[str, Any] = {k: [v] for k, v in traj.sample().items()}
+        columns: dict[str, Any] = {
+            k: [torch.tensor(v, dtype=SAMPLE_DTYPES[k])] for k, v in traj.sample().items()
+        }
         columns[VERSION] = torch.tensor([[max(first, need), max(last, need)]], dtype=torch.int64)
         columns[GEN_S] = torch.tensor([traj.gen_s], dtype=torch.float32)
         columns[GEN_BATCH] = torch.tensor([gen_batch], dtype=torch.int64)
@@ -236,7 +247,13 @@ class EnvService(Service):
             self.times["gen_s"] += traj.gen_s
             self.times["env_s"] += float(meta.get("env_s") or 0.0)
             self.span = [self.span[0] if self.span else float(meta["t0"]), now]
-        await client.put(SAMPLES, columns, meta=[row], timeout=3600, key=f"traj/{meta['traj']}")
+        await client.put(
+            self.ctx.wiring.partition("samples"),
+            columns,
+            meta=[row],
+            timeout=3600,
+            key=f"traj/{meta['traj']}",
+        )
 
     def close(self) -> None:
         if getattr(self, "span", None):

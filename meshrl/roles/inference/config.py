@@ -7,47 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from meshrl.engines.settings import SGLangSettings, SimGeneration, VLLMSettings
 from meshrl.models.hub import missing
-from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.wiring import Read, Write
 from meshrl.schema import EVAL, GENERATED, PROMPT, SAMPLES, TURNS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimGeneration:
-    """The simulated engine (engine="sim"): time only, for pipeline benchmarks."""
-
-    token_s: float = 0.0005
-    """Seconds per decoding step of a batch."""
-    median_tokens: float = 100.0
-    """Median response length."""
-    sigma: float = 1.0
-    """Spread of the lognormal length distribution (1.0: the 99th percentile is ~10x the median)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class VLLMSettings:
-    """Settings of the vLLM engine (engine="vllm")."""
-
-    kv_cache_gb: float = 1.0
-    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); on GPU vLLM sizes it from free memory."""
-    gpu_memory_fraction: float = 0.9
-    """On GPU, the share of the GPU's memory vLLM may take for weights, activations and KV cache (its
-    `gpu_memory_utilization`); lower it when another slot shares the GPU (`meshrl run --devices 0,0`)."""
-    max_model_len: int | None = None
-    """Longest prompt + completion (None: the model's own limit)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SGLangSettings:
-    """Settings of the SGLang engine (engine="sglang", GPU only)."""
-
-    mem_fraction: float = 0.8
-    """Share of the GPU's memory SGLang takes for weights and KV cache (its `mem_fraction_static`)."""
-    max_model_len: int | None = None
-    """Longest prompt + completion (None: the model's own limit)."""
+    from meshrl.planning.wiring import Wiring
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,20 +56,31 @@ class InferenceConfig(ServiceConfig):
     """torch threads of this process (0: leave the default)."""
 
     def validate(self) -> Iterator[str]:
-        if not 0 < self.vllm.gpu_memory_fraction <= 1:
-            yield "vllm.gpu_memory_fraction: must be in (0, 1]"
         if self.max_new_tokens < 1:
             yield "max_new_tokens: must be >= 1"
         if self.max_batch < 1:
             yield "max_batch: must be >= 1"
 
-    def reads(self) -> Columns:
-        return {SAMPLES: (PROMPT,), EVAL: (PROMPT,)}
+    def reads(self) -> tuple[Read, ...]:
+        # prompts to complete: agents' turns where an environment writes them, else rollout's samples
+        return (
+            Read("generate", (TURNS, SAMPLES), (PROMPT,), consumer="inference"),
+            Read("evaluate", EVAL, (PROMPT,), consumer="inference"),
+        )
 
-    def writes(self) -> Columns:
-        return {SAMPLES: GENERATED, EVAL: GENERATED, TURNS: GENERATED}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("generated", (TURNS, SAMPLES), GENERATED), Write("evaluated", EVAL, GENERATED))
 
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+    def follows(self) -> str:
+        return self.trainer
+
+    def applies_adapters(self) -> bool:
+        return self.engine == "vllm"
+
+    def offers(self) -> dict[str, Any]:
+        return {"turn_tokens": self.max_new_tokens}
+
+    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if self.engine == "hf" and group.devices_per_replica > 1:
             problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
@@ -120,8 +99,6 @@ class InferenceConfig(ServiceConfig):
                     f"engine: with top_k / top_p, {name}'s logprobs are renormalised over the kept tokens and "
                     "would not match the trainer's; use the hf engine or turn truncation off"
                 )
-        if self.trainer not in {g.id for g in recipe.groups}:
-            problems.append(f"trainer: no group {self.trainer!r} in the recipe")
         ring = next((r.id for r in recipe.rings if group.id in {m.group for m in r.members}), None)
         if ring is not None and self.engine == "vllm":
             problems.append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrl.planning.config import Columns
+from meshrl.planning.wiring import Write
 from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.schema import REF_LOGPROBS, SAMPLES
 
@@ -16,5 +16,5 @@ class ReferenceConfig(ScorerConfig):
 
     service = "meshrl.roles.reference.service:ReferenceService"
 
-    def writes(self) -> Columns:
-        return {SAMPLES: (REF_LOGPROBS,)}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("score", SAMPLES, (REF_LOGPROBS,)),)

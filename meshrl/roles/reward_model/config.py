@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshrl.planning.config import Columns
+from meshrl.planning.wiring import Write
 from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.schema import RM_SCORE, SAMPLES
 
@@ -20,7 +20,12 @@ class RewardModelConfig(ScorerConfig):
     service = "meshrl.roles.reward_model.service:RewardModelService"
 
     policy: str | None = None
-    """Path of the policy's tokenizer (default: the rollout's model)."""
+    """Path of the policy's tokenizer (default: the trainer's model)."""
 
-    def writes(self) -> Columns:
-        return {SAMPLES: (RM_SCORE,)}
+    def writes(self) -> tuple[Write, ...]:
+        return (Write("score", SAMPLES, (RM_SCORE,)),)
+
+    def needs(self) -> dict[str, str]:
+        if self.policy is None:
+            return {"policy": "set policy= to the policy's tokenizer, or add a trainer group"}
+        return {}

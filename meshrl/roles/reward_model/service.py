@@ -16,17 +16,13 @@ class RewardModelService(ScorerService):
     def load(self) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from meshrl.roles.rollout.config import RolloutConfig
-
         cfg = self.ctx.config
         assert isinstance(cfg, RewardModelConfig)
         self.model: Any = AutoModelForSequenceClassification.from_pretrained(cfg.model, **cfg.loader_kwargs)
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {cfg.model!r} has {self.model.config.num_labels} labels, not 1")
         self.model.to(self.ctx.device).eval()
-        policy = cfg.policy or next(
-            g.config.model for g in self.ctx.recipe.groups if isinstance(g.config, RolloutConfig)
-        )
+        policy = cfg.policy or self.ctx.wiring.inputs["policy"]  # the trainer's model
         self.policy_tok = AutoTokenizer.from_pretrained(policy)
         self.tok = AutoTokenizer.from_pretrained(cfg.model)
         self.same_vocab = self.tok.get_vocab() == self.policy_tok.get_vocab()

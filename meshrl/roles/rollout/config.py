@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from meshrl.engines.settings import GAESettings, KLConfig
 from meshrl.models.hub import missing
-from meshrl.planning.config import Columns, ServiceConfig
+from meshrl.planning.config import ServiceConfig
+from meshrl.planning.wiring import Read, Write
 from meshrl.schema import (
     ADVANTAGE,
-    CHECKPOINT_ACKS,
     ENV_REWARD,
     EVAL,
     GATE,
@@ -25,7 +26,6 @@ from meshrl.schema import (
     REWARD,
     RM_SCORE,
     SAMPLES,
-    STEP,
     TASKS,
     TOKEN_REWARDS,
     VALID,
@@ -35,6 +35,7 @@ from meshrl.schema import (
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.wiring import Wiring
 
 BUILTIN_TASKS = {
     "arith": "meshrl.tasks.arith",
@@ -49,6 +50,10 @@ class RolloutConfig(ServiceConfig):
     moved: ClassVar[dict[str, str]] = {
         "reward": 'rewards={"module:function": 1.0} (several weighted functions, TRL\'s way)',
         "reward_weight": 'rewards={"module:function": <weight>}',
+        "kl_in_reward": "kl_penalty.coef",
+        "kl_target": "kl_penalty.target",
+        "kl_horizon": "kl_penalty.horizon",
+        "kl_estimator": "kl_penalty.estimator",
     }
     stateful = True
     rejoins = True  # a restarted replica continues from the state its predecessor wrote ahead of each change
@@ -115,15 +120,10 @@ class RolloutConfig(ServiceConfig):
     whiten: bool = True
     """GAE: normalise advantages to zero mean, unit std over the batch's tokens (rollout then scores a
     whole batch at once, as it does for reinforce_pp)."""
-    kl_in_reward: float = 0.0
-    """Coefficient of a KL(behaviour || reference) penalty in the reward (needs a reference service):
-    per token for gae, summed over the response for the outcome estimators."""
-    kl_target: float | None = None
-    """Adapt kl_in_reward towards this KL per sample (Ziegler et al. 2019); None keeps it fixed."""
-    kl_horizon: int = 10000
-    """Samples over which the adaptive coefficient moves by at most 20%."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token KL estimator of the penalty: k1, k2 or k3."""
+    kl_penalty: KLConfig = KLConfig(estimator="k1")
+    """A KL(behaviour || reference) penalty in the reward (coef > 0 needs a reference service): per
+    token for gae, summed over the response for the outcome estimators; `target` adapts the coefficient
+    towards a KL per sample."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards all agree (no learning signal) and draw new prompts instead."""
     max_filtered_fraction: float = 0.9
@@ -155,10 +155,6 @@ class RolloutConfig(ServiceConfig):
             yield "max_prompt_len: must be >= 1"
         if self.values == "trainer" and self.advantage != "gae":
             yield "values: 'trainer' is for advantage=gae"
-        if self.kl_in_reward < 0:
-            yield "kl_in_reward: must be >= 0"
-        if self.kl_target is not None and self.kl_target <= 0:
-            yield "kl_target: must be > 0 (or None)"
         if not 0 < self.max_filtered_fraction <= 1:
             yield "max_filtered_fraction: must be in (0, 1]"
         if self.overlong_max_len is not None and not 0 <= self.overlong_buffer <= self.overlong_max_len:
@@ -187,7 +183,7 @@ class RolloutConfig(ServiceConfig):
             cols += (RM_SCORE,)
         if self.env_weight > 0:
             cols += (ENV_REWARD,)
-        if self.kl_in_reward > 0:
+        if self.kl_penalty.coef > 0:
             cols += (LOGPROBS, REF_LOGPROBS)
         if self.advantage == "gae" and self.values == "critic":
             cols += (VALUES,)
@@ -200,18 +196,27 @@ class RolloutConfig(ServiceConfig):
             return (ADVANTAGE,)
         return (ADVANTAGE, RETURNS) if self.values == "critic" else (TOKEN_REWARDS,)
 
-    def reads(self) -> Columns:
-        return {SAMPLES: self.score_columns(), EVAL: (PROMPT, RESPONSE, VERSION), GATE: (VERSION,)}
+    def reads(self) -> tuple[Read, ...]:
+        return (
+            Read("score", SAMPLES, self.score_columns(), consumer="rollout", deletes=self.dynamic_sampling),
+            Read("evaluate", EVAL, (PROMPT, RESPONSE, VERSION), consumer="rollout"),
+            Read("gates", GATE, (VERSION,), consumer="gate", per_replica=True),
+        )
 
-    def writes(self) -> Columns:
-        return {
-            SAMPLES: (PROMPT, REWARD, *self.advantage_columns, VALID),
-            EVAL: (PROMPT,),
-            TASKS: (PROMPT,),  # agents' trajectory starts (meshrl/roles/env)
-            CHECKPOINT_ACKS: (STEP,),
-        }
+    def writes(self) -> tuple[Write, ...]:
+        return (
+            # prompts: trajectory starts where an environment takes them (agents), else samples
+            Write("feed", (TASKS, SAMPLES), (PROMPT,)),
+            Write("scores", SAMPLES, (REWARD, *self.advantage_columns, VALID)),
+            Write("evaluate", EVAL, (PROMPT,)),
+        )
 
-    def check(self, recipe: Recipe, group: ServiceGroup) -> list[str]:
+    def offers(self) -> dict[str, Any]:
+        if self.advantage == "gae" and self.values == "trainer":
+            return {"gae": GAESettings(gamma=self.gamma, lam=self.lam, whiten=self.whiten)}
+        return {}
+
+    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))
@@ -233,19 +238,6 @@ class RolloutConfig(ServiceConfig):
                     problems.append(f"rewards: module {module!r} has no function {fn!r}")
             except ImportError as e:
                 problems.append(f"rewards: cannot import {module!r}: {e}")
-        if self.dynamic_sampling:
-            # filtered groups are deleted: no other service may still be writing into them
-            mine = set(self.score_columns())
-            for g in recipe.groups:
-                if g.config is self:
-                    continue
-                written = g.config.writes().get(SAMPLES, ())
-                late = [c for c in written if c not in mine]
-                if late and RESPONSE not in written:  # inference writes all its columns at once
-                    problems.append(
-                        f"dynamic_sampling: {g.id} writes {late} into rows that rollout may delete before it "
-                        "is done; dynamic sampling works with services whose columns rollout reads"
-                    )
         return problems
 
 

@@ -25,19 +25,18 @@ import torch
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
 from meshrl.observe.metrics import JsonlSink, Metrics
+from meshrl.planning.wiring import Claim
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.reward_functions import Scored
 from meshrl.roles.rollout.state import EvalResult, RolloutState
 from meshrl.runtime.service import WATCH_S
 from meshrl.schema import (
-    EVAL,
     EVAL_VERSION,
     GREEDY,
     MEMBER,
     MIN_VERSION,
     PROMPT,
     PROMPT_ID,
-    RESPONSE,
     VERSION,
 )
 from meshrl.state.checkpoint import Pause
@@ -54,8 +53,11 @@ class Evaluation:
         encode: Callable[[dict[str, Any]], torch.Tensor],
         rewards: Callable[[Batch, list[dict[str, Any]]], Awaitable[Scored]],
         sink: JsonlSink,
+        claim: Claim,
     ) -> None:
+        """Puts `rows` into the evaluation partition and collects them back through `claim`."""
         self.cfg, self.state, self.rows, self.encode, self.rewards = cfg, state, rows, encode, rewards
+        self.claim = claim
         self.sink, self.path = sink, sink.path
         self.recorded: set[int] = set()  # versions whose line is in the file (a re-joining process reads it)
 
@@ -79,14 +81,15 @@ class Evaluation:
                 prompts.append(tokens)
                 meta.append({EVAL_VERSION: version, GREEDY: k == 0, PROMPT_ID: index, MEMBER: k,
                              MIN_VERSION: version})  # fmt: skip
-        await client.put(EVAL, {PROMPT: prompts}, meta=meta, timeout=3600, key=key)
+        await client.put(self.claim.partition, {PROMPT: prompts}, meta=meta, timeout=3600, key=key)
 
     async def run(
         self, client: AsyncClient, pause: Pause, persist: Callable[[], None], after: Callable[[], None]
     ) -> None:
         """Collect evaluation rows forever; `after` runs when an evaluation completed."""
         while True:
-            batch = await client.claim(EVAL, "rollout", [PROMPT, RESPONSE, VERSION], 4096, timeout=WATCH_S)
+            c = self.claim
+            batch = await client.claim(c.partition, c.consumer, list(c.columns), 4096, timeout=WATCH_S)
             if not batch:
                 continue
             async with pause.work():
@@ -121,7 +124,7 @@ class Evaluation:
             del st.eval_pending[version]
             self.record(version, st.eval_results.pop(version))
         persist()
-        await client.delete(EVAL, batch.ids)  # before the ack, as in scoring
+        await client.delete(batch.partition, batch.ids)  # before the ack, as in scoring
         await client.ack(batch)
         st.handling_eval = set()
         return bool(complete)

@@ -1,6 +1,6 @@
 """Rollout's first job: feed prompts into `samples`, paced by the trainer's gate rows.
 
-Rollout writes `group_size` rows per prompt, one batch ahead of what the gates allow, each row tagged
+Rollout writes `group_size` rows per prompt (into `samples`, or `tasks` for agents: the wiring's), one batch ahead of what the gates allow, each row tagged
 with `min_version`, the oldest weight version it may be generated with: for sample s of batch
 b = s // batch_size, `min_version = b - window + 1` (window 1 = lock-step, k = bounded staleness,
 None = never wait). Inference enforces it, so a row starts generating the moment its version lands,
@@ -14,6 +14,7 @@ can repeat it blindly (the data plane applies a key once).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Callable
@@ -24,10 +25,9 @@ import torch
 from meshrl.dataplane import AsyncClient
 from meshrl.dataplane.protocol import Meta
 from meshrl.planning.recipe import Recipe
-from meshrl.roles.env.config import has_env
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.state import RolloutState
-from meshrl.schema import EPOCH, GROUP, MEMBER, MIN_VERSION, PROMPT, PROMPT_ID, SAMPLES, TASKS
+from meshrl.schema import EPOCH, GROUP, MEMBER, MIN_VERSION, PROMPT, PROMPT_ID, TASK
 from meshrl.state.checkpoint import Pause
 
 Group = tuple[int, int, int, int]  # (group id, prompt index, epoch, min_version)
@@ -46,7 +46,9 @@ class Feed:
         *,
         seed: int,
         name: str,
+        partition: str,
     ) -> None:
+        """Writes prompt rows into `partition` (samples, or agents' trajectory starts: the wiring's)."""
         self.cfg, self.recipe, self.state = cfg, recipe, state
         self.rows, self.encode, self.name = rows, encode, name
         self.total = recipe.total_steps * recipe.batch_size
@@ -55,8 +57,7 @@ class Feed:
         for _ in range(state.epoch + 1):  # this epoch's order: the same shuffles from the same seed
             self.reshuffle()
         self.changed = asyncio.Event()  # gates counted, or samples handed back: there may be room
-        # agents: a row starts a trajectory, which the environment service turns into a sample
-        self.partition = TASKS if has_env(recipe) else SAMPLES
+        self.partition = partition
 
     def reshuffle(self) -> None:
         self.order = list(range(len(self.rows)))
@@ -129,9 +130,14 @@ class Feed:
         meta: list[Meta] = []
         for group, index, epoch, need in groups:
             rows += [tokens[index] if tokens else self.encode(self.rows[index])] * n
-            meta += [{GROUP: group, MEMBER: k, PROMPT_ID: index, EPOCH: epoch, MIN_VERSION: need}
+            task = self.task(index)
+            meta += [{GROUP: group, MEMBER: k, PROMPT_ID: index, EPOCH: epoch, MIN_VERSION: need, TASK: task}
                      for k in range(n)]  # fmt: skip
         await client.put(self.partition, {PROMPT: rows}, meta=meta, timeout=3600, key=key)
+
+    def task(self, index: int) -> str:
+        """Dataset row `index` as JSON text (an environment resets from it), without meshrl's own keys."""
+        return json.dumps({k: v for k, v in self.rows[index].items() if not k.startswith("_")}, default=str)
 
     def next_prompt(self) -> tuple[int, torch.Tensor]:
         """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""

@@ -27,6 +27,7 @@ from meshrl.algorithms.losses import AdaptiveKL, kl
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.observe.metrics import Metrics, Sink
 from meshrl.planning.recipe import Recipe
+from meshrl.planning.wiring import Claim
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.reward_functions import RewardFunction, Scored, completions, score
 from meshrl.roles.rollout.state import RolloutState
@@ -45,7 +46,6 @@ from meshrl.schema import (
     RETURNS,
     REWARD,
     RM_SCORE,
-    SAMPLES,
     TOKEN_REWARDS,
     VALID,
     VALUES,
@@ -83,15 +83,18 @@ class Scoring:
         state: RolloutState,
         rewards: Rewards,
         rows: list[dict[str, Any]],
+        claim: Claim,
         on_refill: Callable[[], None],
         sink: Sink,
         until_evaluated: Callable[[int], Awaitable[None]],
     ) -> None:
+        """Scores the rows of `claim` (its columns: what the reward and advantage read)."""
         self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
+        self.claim = claim
         self.until_evaluated = until_evaluated  # a version's gate counted and its evaluation complete
         self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
         self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
-        self.kl = AdaptiveKL(state.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.kl = AdaptiveKL(state.kl_coef, cfg.kl_penalty.target, cfg.kl_penalty.horizon)
         self.kl_measured = 0.0
 
     async def run(
@@ -103,8 +106,9 @@ class Scoring:
             cfg.advantage == "gae" and cfg.values == "critic" and cfg.whiten
         )
         while True:
+            c = self.claim
             batch = await client.claim(
-                SAMPLES, "rollout", list(cfg.score_columns()), batch_size, min_n=batch_size if whole else 1,
+                c.partition, c.consumer, list(c.columns), batch_size, min_n=batch_size if whole else 1,
                 group_size=self.recipe.group_size, timeout=WATCH_S, lease=600,
             )  # fmt: skip
             if not batch:
@@ -151,11 +155,11 @@ class Scoring:
         st.kl_coef = self.kl.coef
         persist()
         if len(index):
-            await put_missing_async(client, SAMPLES, out, batch.ids[index.numpy()])
+            await put_missing_async(client, batch.partition, out, batch.ids[index.numpy()])
         # delete before the ack: a process killed in between gets the rows back (a successor deletes
         # them again), never rows acknowledged but left behind
         if len(dropped):
-            await client.delete(SAMPLES, dropped)
+            await client.delete(batch.partition, dropped)
         await client.ack(batch)
         st.handling = set()
         return bool(drop.any())
@@ -234,8 +238,10 @@ class Scoring:
             return Ragged.from_list([batch.ragged(name)[i] for i in pick], dtype=torch.float32).padded()[0]
 
         penalty = None
-        if cfg.kl_in_reward > 0:
-            per_token = torch.where(mask, kl(padded(LOGPROBS), padded(REF_LOGPROBS), cfg.kl_estimator), 0.0)
+        if cfg.kl_penalty.coef > 0:
+            per_token = torch.where(
+                mask, kl(padded(LOGPROBS), padded(REF_LOGPROBS), cfg.kl_penalty.estimator), 0.0
+            )
             per_sample = per_token.sum(1)
             penalty = self.kl.coef * per_token
             n = int(valid.sum())

@@ -34,7 +34,7 @@ from meshrl.roles.rollout.feed import Feed, Group
 from meshrl.roles.rollout.scoring import Rewards, Scoring
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.runtime.service import WATCH_S, Service
-from meshrl.schema import FINAL, GATE, VERSION
+from meshrl.schema import FINAL, VERSION
 from meshrl.state import checkpoint as ckpt
 from meshrl.state.statefile import StateFile
 
@@ -66,13 +66,23 @@ class RolloutService(Service):
         check_lengths(train_rows, encoded, cfg.max_prompt_len)
         rewards = Rewards(tokenizer, reward_functions.load(cfg.rewards), cfg.prompt_field)
         seed = ctx.recipe.seed * 7919 + ctx.replica.index
-        self.feed = Feed(cfg, ctx.recipe, self.state, train_rows, encoded, seed=seed, name=ctx.name)
+        wiring = ctx.wiring
+        self.feed = Feed(
+            cfg, ctx.recipe, self.state, train_rows, encoded, seed=seed, name=ctx.name,
+            partition=wiring.partition("feed"),
+        )  # fmt: skip
         self.scoring = Scoring(
-            cfg, ctx.recipe, self.state, rewards, train_rows, on_refill=self.feed.changed.set,
+            cfg, ctx.recipe, self.state, rewards, train_rows, wiring.claim("score"), on_refill=self.feed.changed.set,
             sink=self.sink("rewards.jsonl", predecessor), until_evaluated=self.until_evaluated,
         )  # fmt: skip
         self.evaluation = Evaluation(
-            cfg, self.state, eval_rows, encoded, rewards, self.sink("eval.jsonl", predecessor)
+            cfg,
+            self.state,
+            eval_rows,
+            encoded,
+            rewards,
+            self.sink("eval.jsonl", predecessor),
+            wiring.claim("evaluate"),
         )
         if predecessor is not None:
             self.evaluation.read_recorded()
@@ -83,7 +93,7 @@ class RolloutService(Service):
             )  # fmt: skip
 
     def fresh(self) -> RolloutState:
-        return RolloutState(group_seq=self.ctx.replica.index * 10**12, kl_coef=self.config.kl_in_reward)
+        return RolloutState(group_seq=self.ctx.replica.index * 10**12, kl_coef=self.config.kl_penalty.coef)
 
     def sink(self, name: str, predecessor: object) -> JsonlSink:
         """eval.jsonl / rewards.jsonl: replica 0 starts it afresh; a re-joining process appends to what
@@ -188,9 +198,12 @@ class RolloutService(Service):
     async def watch_gates(self) -> None:
         """Count each gate row once: it opens the feed's window, may start an evaluation, and the final
         one ends the run once its evaluation is in."""
-        consumer, st = f"{self.ctx.replica.name}-gate", self.state
+        gates, st = self.ctx.wiring.claim("gates"), self.state
+        consumer = gates.consumer_of(self.ctx.replica.name)
         while True:
-            batch = await self.client.claim(GATE, consumer, [VERSION], 64, timeout=WATCH_S)
+            batch = await self.client.claim(
+                gates.partition, consumer, list(gates.columns), 64, timeout=WATCH_S
+            )
             if not batch:
                 continue
             async with self.pause.work():

@@ -10,6 +10,7 @@ import torch
 
 from meshrl.dataplane import Batch, Client, Ragged
 from meshrl.engines.packing import TrainBatch, pack
+from meshrl.planning.wiring import Claim
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.schema import (
     ADVANTAGE,
@@ -22,7 +23,7 @@ from meshrl.schema import (
     REF_LOGPROBS,
     RESPONSE,
     REWARD,
-    SAMPLES,
+    TOKEN_REWARDS,
     VALID,
     VERSION,
     teacher_columns,
@@ -47,12 +48,12 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
         batch.ragged(PROMPT),
         batch.ragged(RESPONSE),
         batch.ragged(LOGPROBS),
-        batch["token_rewards" if cfg.value_head else "advantage"],
+        batch[TOKEN_REWARDS if cfg.value.head else ADVANTAGE],
         batch.tensor(VALID),
         ref_logprobs=batch.ragged(REF_LOGPROBS) if REF_LOGPROBS in batch else None,
         teachers={
             name: tuple(batch.ragged(c) for c in teacher_columns(name))  # type: ignore[misc]
-            for name in (cfg.teachers if cfg.distills else ())
+            for name in (cfg.distill.teachers if cfg.distill.active else ())
         },
         loss_mask=batch.ragged(LOSS_MASK) if LOSS_MASK in batch else None,
     )
@@ -78,15 +79,13 @@ class Loader:
     with the one training, no more rows are held than a rank needs. Its own data-plane connection:
     a claim waiting for rows must not hold up the trainer's acknowledgements."""
 
-    def __init__(
-        self, client: Client, cfg: TrainerConfig, n: int, group_size: int, extra: tuple[str, ...] = ()
-    ) -> None:
-        """Mini-batches of `n` rows (whole groups of `group_size`) with the columns `cfg` trains on, and
-        `extra` (LOSS_MASK when an environment writes multi-turn samples)."""
+    def __init__(self, client: Client, claim: Claim, cfg: TrainerConfig, n: int, group_size: int) -> None:
+        """Mini-batches of `n` rows (whole groups of `group_size`) as the trainer's `claim` says (the
+        columns it trains on, and the loss mask where an environment writes multi-turn samples)."""
         self.client = client
         self.cfg = cfg
         self.stream = client.stream(
-            SAMPLES, "trainer", (*cfg.columns(), *extra), n, min_n=n, group_size=group_size, prefetch=1,
+            claim.partition, claim.consumer, claim.columns, n, min_n=n, group_size=group_size, prefetch=1,
             poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
         )  # fmt: skip
         self.ready: queue.Queue[MiniBatch] = queue.Queue(maxsize=1)

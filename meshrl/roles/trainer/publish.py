@@ -23,7 +23,7 @@ from meshrl.planning.topology import Process
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import ServiceContext
 from meshrl.runtime.weights import WeightGroup
-from meshrl.schema import FINAL, GATE, VERSION
+from meshrl.schema import FINAL, VERSION
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -38,11 +38,11 @@ def over_shared_memory(device: str, trainer: Process, receivers: list[Process]) 
 
 
 class Publisher:
-    def __init__(
-        self, ctx: ServiceContext, engine: Any, inference: tuple[str, ...], bucket_mb: int, pool: Any
-    ) -> None:
-        """`pool`: the shared-memory segment pool of the trainer's data-plane client (on CPU, a segment
-        named like its own carries the weights to receivers on this host)."""
+    def __init__(self, ctx: ServiceContext, engine: Any, bucket_mb: int, pool: Any) -> None:
+        """Publishes to the groups of the trainer's weight group (its wiring). `pool`: the shared-memory
+        segment pool of the trainer's data-plane client (on CPU, a segment named like its own carries
+        the weights to receivers on this host)."""
+        inference = ctx.wiring.weights.receivers if ctx.wiring.weights is not None else ()
         self.ctx, self.engine, self.bucket_bytes = ctx, engine, bucket_mb << 20
         self.rank = ctx.process.worker
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publisher")
@@ -108,7 +108,7 @@ class Publisher:
     def _gate(self, version: int, final: bool) -> None:
         assert self.gate is not None
         meta: list[Any] = [{FINAL: final, "step": version}]
-        self.gate.put(GATE, {VERSION: torch.tensor([version])}, meta=meta)
+        self.gate.put(self.ctx.wiring.partition("gate"), {VERSION: torch.tensor([version])}, meta=meta)
 
     def _send(self, version: int, tensors: list[torch.Tensor] | None, final: bool, gate: bool = True) -> None:
         """Publisher thread: the rest of the publication `publish` announced (the tensors are the copy,

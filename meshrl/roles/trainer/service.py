@@ -26,17 +26,15 @@ from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
 from meshrl.algorithms.losses import AdaptiveKL
 from meshrl.engines.fsdp import FSDPEngine
-from meshrl.engines.optim import OptimConfig
 from meshrl.engines.packing import TrainBatch
+from meshrl.engines.settings import GAESettings
 from meshrl.observe.metrics import JsonlSink
-from meshrl.roles.env.config import has_env
-from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
 from meshrl.roles.trainer.publish import Publisher
 from meshrl.roles.trainer.report import SampleLog, sample_metrics, step_row
 from meshrl.runtime.service import Service
-from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, LOSS_MASK, STEP
+from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, STEP
 from meshrl.state import checkpoint as ckpt
 
 
@@ -57,37 +55,29 @@ class TrainerService(Service):
             world_size=self.world,
             timeout=timedelta(minutes=30),
         )
-        recipe = self.ctx.recipe
-        optim = OptimConfig(
-            lr=cfg.lr,
-            schedule=cfg.schedule,
-            warmup_steps=cfg.warmup_steps,
-            total_steps=recipe.total_steps * cfg.mini_batches,
-            weight_decay=cfg.weight_decay,
-            betas=cfg.betas,
-            grad_clip=cfg.grad_clip,
-        )
+        recipe, wiring = self.ctx.recipe, self.ctx.wiring
         self.engine: Any
         if cfg.engine == "sim":
             from meshrl.engines.sim import SimTrainEngine
 
-            self.engine = SimTrainEngine(cfg.sim)
+            self.engine = SimTrainEngine(cfg.sim, lr=cfg.optim.lr)
         else:
+            weights = wiring.weights
             self.engine = FSDPEngine(
-                cfg.model, optim, device=self.ctx.device, loader_kwargs=cfg.loader_kwargs, seed=recipe.seed,
-                head="lm+value" if cfg.value_head else "lm", temperature=recipe.temperature,
-                precision=cfg.precision, activation_checkpointing=cfg.activation_checkpointing,
-                logits_chunk=cfg.logits_chunk, lora=cfg.lora, publish_adapters=cfg.publishes_adapters(recipe),
+                cfg.model, cfg.optim, memory=cfg.memory, lora=cfg.adapters(), device=self.ctx.device,
+                total_steps=recipe.total_steps * cfg.mini_batches, loader_kwargs=cfg.loader_kwargs,
+                seed=recipe.seed, head="lm+value" if cfg.value.head else "lm", temperature=recipe.temperature,
+                publish_adapters=weights is not None and weights.adapters is not None,
             )  # fmt: skip
-        # the actor-critic computes GAE with the rollout's settings (the planner checked there is one)
-        self.gae = next((g.config for g in recipe.groups if isinstance(g.config, RolloutConfig)), None)
+        # the actor-critic computes GAE with the settings of the rollout that writes its token rewards
+        self.gae: GAESettings | None = wiring.inputs.get("gae")
         self.client = self.ctx.client()
         self.loader: Loader | None = None
-        self.publisher = Publisher(self.ctx, self.engine, cfg.inference, cfg.bucket_mb, self.client.core.pool)
+        self.publisher = Publisher(self.ctx, self.engine, cfg.bucket_mb, self.client.core.pool)
         self.version = 0
         self.start_step = 0
         self.nan_streak = 0
-        self.kl = AdaptiveKL(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+        self.kl = AdaptiveKL(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
         metrics_lines = 0  # a fresh run starts a fresh metrics.jsonl
         if self.ctx.resume is not None:
             metrics_lines = self.resume(self.ctx.resume)
@@ -188,8 +178,8 @@ class TrainerService(Service):
             cfg = self.config
             n = self.ctx.recipe.batch_size // cfg.mini_batches // self.world
             self.loader = Loader(
-                self.ctx.client(f"{self.ctx.name}-loader"), cfg, n, self.ctx.recipe.group_size,
-                extra=(LOSS_MASK,) if has_env(self.ctx.recipe) else (),
+                self.ctx.client(f"{self.ctx.name}-loader"), self.ctx.wiring.claim("train"), cfg, n,
+                self.ctx.recipe.group_size,
             )  # fmt: skip
         while True:
             mini = self.loader.get(timeout=CLAIM_POLL_S)
@@ -207,16 +197,18 @@ class TrainerService(Service):
             packed = packed.rows(keep.nonzero().squeeze(-1))
         packed.stale = mini.born[keep] < self.version
         critic: dict[str, float] = {}
-        if cfg.value_head:
+        if cfg.value.head:
             critic = self.actor_critic_advantages(packed)
             summary["advantage"][keep] = _masked_row_means(packed.advantages, packed.mask)
-        if cfg.distill_advantage > 0 or cfg.pg_coef != 1.0:
+        if cfg.distill.advantage > 0 or cfg.loss.pg_coef != 1.0:
             packed.advantages = distilled_advantages(packed, cfg)
-        if cfg.kl_target is not None:
-            cfg = dataclasses.replace(cfg, kl_coef=self.kl.coef)
-        stats = {**self.engine.update_policy(packed, cfg), **critic}
-        if cfg.kl_target is not None:
-            stats["kl_coef"] = cfg.kl_coef
+        kl = cfg.kl if cfg.kl.target is None else dataclasses.replace(cfg.kl, coef=self.kl.coef)
+        stats = self.engine.update_policy(
+            packed, cfg.loss, kl=kl, distill=cfg.distill, value=cfg.value, epochs=cfg.epochs
+        )
+        stats.update(critic)
+        if cfg.kl.target is not None:
+            stats["kl_coef"] = kl.coef
             self.kl.update(stats["kl_ref"], int(keep.sum()) * self.world)
         if stats["nan_skipped"]:
             self.nan_streak += 1
@@ -224,7 +216,7 @@ class TrainerService(Service):
             if self.nan_streak >= cfg.max_nan_steps:
                 raise FloatingPointError(
                     f"{self.nan_streak} consecutive updates had a non-finite loss or gradient; stopping "
-                    "(lower trainer.lr or check the rewards)"
+                    "(lower trainer.optim.lr or check the rewards)"
                 )
         else:
             self.nan_streak = 0
@@ -237,9 +229,9 @@ class TrainerService(Service):
         mini-batch, every rank's rows, when the rollout whitens). Returns the explained variance of
         the returns by the values, and the returns' mean."""
         cfg, gae_cfg = self.config, self.gae
-        assert isinstance(gae_cfg, RolloutConfig)
+        assert gae_cfg is not None  # the planner hands the value head its GAE settings
         mask = packed.mask
-        values = self.engine.compute_values(packed, cfg.micro_batch)
+        values = self.engine.compute_values(packed, cfg.memory.micro_batch)
         advantage, returns = adv.gae(packed.advantages, values, mask, gamma=gae_cfg.gamma, lam=gae_cfg.lam)
         r, v = returns[mask].double(), values[mask].double()
         a = advantage[mask].double()
@@ -259,7 +251,7 @@ class TrainerService(Service):
 
     def publish(self, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `self.version` (see publish.py); returns the seconds taken here."""
-        if self.config.off_policy == "decoupled":  # the proximal policy of the coming step's loss
+        if self.config.loss.off_policy == "decoupled":  # the proximal policy of the coming step's loss
             self.engine.snapshot()
         return self.publisher.publish(self.version, final=final, gate=gate)
 
@@ -305,8 +297,8 @@ class TrainerService(Service):
             "step": step, "version": self.version, "nan_streak": self.nan_streak, "kl_coef": self.kl.coef,
             "metrics_lines": step, "torch_rng": torch.get_rng_state().tolist(),
         })  # fmt: skip
-        parts = [p.name for r in self.ctx.topology.replicas for p in r.processes
-                 if self.ctx.recipe.group(r.group).config.stateful]  # fmt: skip
+        topology = self.ctx.topology
+        parts = [p.name for r in topology.replicas if r.group in topology.stateful for p in r.processes]
         self.client.put(CHECKPOINT, {STEP: torch.tensor([step])}, meta=[{"dir": str(tmp)}])
         waiting = set(parts)
         while waiting:
@@ -367,12 +359,12 @@ class TrainerService(Service):
 
 
 def distilled_advantages(packed: TrainBatch, cfg: TrainerConfig) -> torch.Tensor:
-    """Per-token advantages [n, L-1]: pg_coef x the task advantage plus distill_advantage x each
+    """Per-token advantages [n, L-1]: loss.pg_coef x the task advantage plus distill.advantage x each
     teacher's weight x (its logprob - the behaviour logprob) of every sampled token."""
-    adv = packed.advantages
-    adv = cfg.pg_coef * (adv.unsqueeze(-1).expand(packed.mask.shape) if adv.dim() == 1 else adv)
-    for name, (_, _, sampled) in packed.teachers.items() if cfg.distill_advantage > 0 else ():
-        adv = adv + cfg.distill_advantage * cfg.teachers[name] * reverse_kl_advantages(
+    adv, distill = packed.advantages, cfg.distill
+    adv = cfg.loss.pg_coef * (adv.unsqueeze(-1).expand(packed.mask.shape) if adv.dim() == 1 else adv)
+    for name, (_, _, sampled) in packed.teachers.items() if distill.advantage > 0 else ():
+        adv = adv + distill.advantage * distill.teachers[name] * reverse_kl_advantages(
             sampled, packed.old_logprobs, packed.mask
         )
     return torch.where(packed.mask, adv, 0.0)

@@ -18,7 +18,7 @@ def test_window_one_async_reproduces_the_synchronous_run(tmp_path, arith_model):
         *common,
         f"run_dir={tmp_path / 'async'}",
         "rollout.window=1",
-        "trainer.lr=3e-4",
+        "trainer.optim.lr=3e-4",
         recipe=ASYNC,
     )
     assert lock.returncode == 0, lock.stderr[-3000:]

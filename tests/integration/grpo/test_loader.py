@@ -8,12 +8,14 @@ import time
 import pytest
 import torch
 
-from meshrl.schema import SAMPLES
 from meshrl.dataplane import Client, Ragged
+from meshrl.planning.wiring import Claim
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import Loader, MiniBatch
+from meshrl.schema import SAMPLES
 
 CFG, GROUP = TrainerConfig(model="unused"), 2
+CLAIM = Claim(SAMPLES, "trainer", CFG.columns())
 
 
 def put_groups(c: Client, groups: range, *, version_width: int = 2) -> None:
@@ -53,7 +55,7 @@ def test_loader_delivers_in_order_and_hands_back_what_it_claimed_ahead(plane):
     with Client(plane.controller) as c:
         c.create_partition(SAMPLES, 64)
         put_groups(c, range(4))
-        loader = Loader(Client(plane.controller, name="loader"), CFG, 2, GROUP)
+        loader = Loader(Client(plane.controller, name="loader"), CLAIM, CFG, 2, GROUP)
         first = take(loader)
         assert first.summary["group"].tolist() == [0, 0]
         c.ack(first.batch)  # acknowledged on another connection, as the trainer does
@@ -69,7 +71,7 @@ def test_a_row_the_loader_cannot_prepare_stops_training_with_its_cause(plane):
     with Client(plane.controller) as c:
         c.create_partition(SAMPLES, 64)
         put_groups(c, range(1), version_width=1)  # "version" without its [first, last] pair
-        loader = Loader(Client(plane.controller, name="loader"), CFG, 2, GROUP)
+        loader = Loader(Client(plane.controller, name="loader"), CLAIM, CFG, 2, GROUP)
         with pytest.raises(RuntimeError, match="loader failed") as info:
             for _ in range(20):
                 loader.get(timeout=0.5)

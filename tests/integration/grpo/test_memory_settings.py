@@ -11,11 +11,11 @@ import torch
 from tests.integration.grpo.test_grpo import rows, run
 
 MEMORY = (
-    "trainer.precision=bf16-mixed",
-    "trainer.activation_checkpointing=true",
-    "trainer.max_tokens_per_micro_batch=256",
+    "trainer.memory.precision=bf16-mixed",
+    "trainer.memory.activation_checkpointing=true",
+    "trainer.memory.max_tokens_per_micro_batch=256",
 )
-LORA = ("trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-3")  # 3e-3: unstable
+LORA = ("trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.optim.lr=1e-3")  # 3e-3: unstable
 
 
 def rewards(run_dir: Path) -> tuple[float, float]:

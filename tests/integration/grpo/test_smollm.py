@@ -28,7 +28,7 @@ def test_grpo_smollm_runs_a_few_steps_and_saves_a_loadable_checkpoint(tmp_path, 
     run_dir = tmp_path / "run"
     r = run(tmp_path, f"*.model={smollm}", f"run_dir={run_dir}", "total_steps=2",
             "prompts_per_step=2", "group_size=2", "inference.max_new_tokens=24", "rollout.eval_size=2",
-            "rollout.eval_samples=1", "trainer.mini_batches=1", "trainer.warmup_steps=0",
+            "rollout.eval_samples=1", "trainer.mini_batches=1", "trainer.optim.warmup_steps=0",
             timeout=1500, recipe=RECIPE)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     metrics = rows(run_dir / "metrics.jsonl")

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from meshrl.schema import teacher_columns
 from meshrl.dataplane.ledger import account, written_before
 from meshrl.observe.status import collect
+from meshrl.schema import teacher_columns
 from tests.conftest import free_base_port
 from tests.integration.grpo.test_grpo import REPO, rows, run
 
@@ -52,8 +52,8 @@ def test_reverse_kl_advantage_variant_learns_too(tmp_path, weak_model, teacher_m
     """The teacher's logprob minus the student's, per sampled token, as the only advantage."""
     run_dir = tmp_path / "run"
     r = run(tmp_path, f"*.model={weak_model}", f"teacher.model={teacher_model}", f"run_dir={run_dir}",
-            "total_steps=60", "rollout.eval_every=0", "trainer.distill_coef=0", "trainer.pg_coef=0",
-            "trainer.distill_advantage=1", recipe=OPD)  # fmt: skip
+            "total_steps=60", "rollout.eval_every=0", "trainer.distill.coef=0", "trainer.loss.pg_coef=0",
+            "trainer.distill.advantage=1", recipe=OPD)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     m = rows(run_dir / "metrics.jsonl")
     reverse = [x["teacher_reverse_kl"] for x in m]

@@ -38,7 +38,7 @@ def test_ppo_is_reproducible_and_every_service_adds_its_column(tmp_path, arith_m
 @pytest.mark.slow
 def test_ppo_learns_a_reward_the_critic_can_read_and_drifts_from_the_reference(tmp_path, arith_model):
     r = run(tmp_path, f"*.model={arith_model}", f"run_dir={tmp_path / 'run'}", "total_steps=30",
-            "rollout.eval_every=0", EVEN, "critic.lr=1e-4", recipe=PPO)  # fmt: skip
+            "rollout.eval_every=0", EVEN, "critic.optim.lr=1e-4", recipe=PPO)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     actor, critic = rows(tmp_path / "run" / "metrics.jsonl"), rows(tmp_path / "run" / "critic.jsonl")
     first, last = mean([m["reward_mean"] for m in actor[:5]]), mean([m["reward_mean"] for m in actor[-5:]])
@@ -139,8 +139,8 @@ def test_actor_critic_learns_a_reward_its_value_head_can_read(tmp_path, arith_mo
     assert kl[0] < 0.05 and mean(kl[-5:]) > 2 * max(kl[0], 0.005), kl
 
 
-MEMORY = ("trainer.precision=bf16-mixed", "trainer.activation_checkpointing=true",
-          "trainer.max_tokens_per_micro_batch=128")  # fmt: skip
+MEMORY = ("trainer.memory.precision=bf16-mixed", "trainer.memory.activation_checkpointing=true",
+          "trainer.memory.max_tokens_per_micro_batch=128")  # fmt: skip
 
 
 @pytest.mark.parametrize("settings", [(), MEMORY], ids=["fp32", "memory-settings"])

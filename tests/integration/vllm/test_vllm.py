@@ -107,7 +107,7 @@ def test_a_lora_run_on_vllm_publishes_adapters_and_samples_with_them(tmp_path, a
 
     run_dir = tmp_path / "run"
     r = run(tmp_path, f"*.model={arith_model}", f"run_dir={run_dir}", "total_steps=6", "rollout.eval_every=0",
-            "trainer.lora.rank=8", "trainer.lora.alpha=32", "trainer.lr=1e-3", "trainer.mini_batches=1",
+            "trainer.lora.rank=8", "trainer.lora.alpha=32", "trainer.optim.lr=1e-3", "trainer.mini_batches=1",
             recipe=str(REPO / "recipes" / "grpo_arith_vllm.py"), timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     m = rows(run_dir / "metrics.jsonl")

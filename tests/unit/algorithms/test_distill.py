@@ -111,6 +111,7 @@ def test_reverse_kl_advantage_is_teacher_minus_student_on_response_tokens():
 
 
 def test_trainer_mixes_task_and_per_teacher_reverse_kl_advantages(tmp_path):
+    from meshrl.engines.settings import DistillConfig, LossConfig
     from meshrl.roles.trainer.config import TrainerConfig
     from meshrl.roles.trainer.service import distilled_advantages
 
@@ -126,7 +127,9 @@ def test_trainer_mixes_task_and_per_teacher_reverse_kl_advantages(tmp_path):
     batch = pack(prompts, responses, behaviour, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool),
                  teachers={"a": teacher([[-1.0, -1.0], [0.0, 0.0, 0.0]]), "b": teacher([[0.0, 0.0], [-1.5, -0.5, 0.5]])})  # fmt: skip
     cfg = TrainerConfig(
-        model=str(tmp_path), teachers={"a": 1.0, "b": 0.5}, distill_advantage=2.0, pg_coef=0.5
+        model=str(tmp_path),
+        distill=DistillConfig(teachers={"a": 1.0, "b": 0.5}, advantage=2.0),
+        loss=LossConfig(pg_coef=0.5),
     )
     adv = distilled_advantages(batch, cfg)
     m = batch.mask

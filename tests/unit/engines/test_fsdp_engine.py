@@ -10,12 +10,22 @@ import torch
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.optim import OptimConfig, lr_factor
 from meshrl.engines.packing import pack, token_micro_batches
-from meshrl.roles.trainer.config import Lora, TrainerConfig
+from meshrl.engines.settings import LoraConfig, LossConfig, MemoryConfig, ValueHeadConfig
+from meshrl.roles.trainer.config import TrainerConfig
+
+MEMORY = {f for f in MemoryConfig.__dataclass_fields__}
 
 
-def Step(**kw: object) -> TrainerConfig:
-    """The trainer's loss settings as the engine sees them (micro-batches of 3 rows, PPO clip)."""
-    return TrainerConfig(model=".", **{"micro_batch": 3, **kw})  # type: ignore[arg-type]
+def Step(epochs: int = 1, **kw: object) -> dict[str, object]:
+    """update_policy's settings: the loss section's fields as given, a value head with value_*."""
+    value = {k.removeprefix("value_"): kw.pop(k) for k in list(kw) if k.startswith("value_")}
+    return {"loss": LossConfig(**kw), "value": ValueHeadConfig(**value), "epochs": epochs}  # type: ignore[arg-type]
+
+
+def engine_with(tiny_model, lr: float = 1e-2, **kw) -> FSDPEngine:
+    """An engine on CPU; MemoryConfig's fields (micro-batches of 3 rows unless given) go to its memory."""
+    memory = MemoryConfig(**{"micro_batch": 3, **{k: kw.pop(k) for k in list(kw) if k in MEMORY}})
+    return FSDPEngine(str(tiny_model), OptimConfig(lr=lr), device=torch.device("cpu"), memory=memory, **kw)
 
 
 def test_pack_aligns_response_values_with_the_positions_that_predict_them():
@@ -35,10 +45,10 @@ def test_pack_aligns_response_values_with_the_positions_that_predict_them():
 
 
 def test_schedules():
-    cfg = OptimConfig(lr=1.0, warmup_steps=2, total_steps=12, schedule="linear")
-    assert [lr_factor(s, cfg) for s in (0, 1, 2, 7, 12)] == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0])
-    cos = OptimConfig(lr=1.0, total_steps=10, schedule="cosine")
-    assert lr_factor(5, cos) == pytest.approx(0.5) and lr_factor(0, OptimConfig(lr=1.0)) == 1.0
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, schedule="linear")
+    assert [lr_factor(s, cfg, 12) for s in (0, 1, 2, 7, 12)] == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0])
+    cos = OptimConfig(lr=1.0, schedule="cosine")
+    assert lr_factor(5, cos, 10) == pytest.approx(0.5) and lr_factor(0, OptimConfig(lr=1.0), 1) == 1.0
 
 
 def batch(n: int = 6):
@@ -59,20 +69,20 @@ def params(engine: FSDPEngine) -> list[torch.Tensor]:
 
 
 def test_update_moves_weights_and_reports_metrics(tiny_model):
-    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
+    engine = engine_with(tiny_model, lr=1e-2)
     before = params(engine)
-    stats = engine.update_policy(batch(), Step(epochs=2))
+    stats = engine.update_policy(batch(), epochs=2)
     assert stats["nan_skipped"] == 0 and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     assert engine.steps == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
 
 def test_non_finite_loss_skips_the_update(tiny_model):
-    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
+    engine = engine_with(tiny_model, lr=1e-2)
     before = params(engine)
     bad = batch()
     bad.advantages[0] = float("nan")
-    stats = engine.update_policy(bad, Step())
+    stats = engine.update_policy(bad)
     assert stats["nan_skipped"] == 1 and engine.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
@@ -80,11 +90,11 @@ def test_non_finite_loss_skips_the_update(tiny_model):
 @pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
 def test_a_step_without_tokens_is_not_a_non_finite_one_and_leaves_the_weights(tiny_model, policy_loss):
     """Every sample of the step failed to score: its loss is 0, not 0 / 0, and nothing moves."""
-    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
+    engine = engine_with(tiny_model, lr=1e-2)
     before = params(engine)
     empty = batch()
     empty.mask = torch.zeros_like(empty.mask)
-    stats = engine.update_policy(empty, Step(policy_loss=policy_loss))
+    stats = engine.update_policy(empty, LossConfig(policy=policy_loss))
     assert stats["nan_skipped"] == 0 and stats["loss"] == 0.0 and engine.steps == 0
     assert all(torch.equal(a, b) for a, b in zip(before, params(engine), strict=True))
 
@@ -108,16 +118,15 @@ def test_pack_spreads_per_token_advantages_and_critic_columns():
 
 
 def test_value_head_learns_returns_that_depend_on_the_tokens(tiny_model):
-    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), head="value")
+    engine = engine_with(tiny_model, lr=3e-3, head="value", micro_batch=4)
     b = batch(12)
     # the return of a position is 1 when the token just read is even: the critic must read the tokens
     b.returns = torch.where(b.mask, (b.input_ids[:, :-1] % 2 == 0).float(), 0.0)
     b.values = engine.compute_values(b, micro_batch=4)
     assert b.values.shape == b.mask.shape
-    cfg = type("ValueStep", (), {"micro_batch": 4, "epochs": 1, "value_clip": None})()
-    first = engine.update_value(b, cfg)
+    first = engine.update_value(b, clip=None)
     for _ in range(30):
-        last = engine.update_value(b, cfg)
+        last = engine.update_value(b, clip=None)
     assert last["value_loss"] < 0.2 * first["value_loss"], (first, last)
     values = engine.compute_values(b, micro_batch=6)[b.mask]
     returns = b.returns[b.mask]
@@ -125,21 +134,21 @@ def test_value_head_learns_returns_that_depend_on_the_tokens(tiny_model):
 
 
 def test_checkpoint_round_trip_restores_model_optimizer_and_step(tiny_model, tmp_path):
-    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
-    engine.update_policy(batch(), Step())
+    engine = engine_with(tiny_model, lr=1e-2)
+    engine.update_policy(batch())
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     saved = params(engine)
-    engine.update_policy(batch(), Step())  # moves away from the checkpoint
-    fresh = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
+    engine.update_policy(batch())  # moves away from the checkpoint
+    fresh = engine_with(tiny_model, lr=1e-2)
     fresh.load_checkpoint(str(tmp_path / "ckpt"))
     assert fresh.steps == 1
     for a, b in zip(params(fresh), saved, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # the optimizer state came back too: the next step from the checkpoint is the same on both
-    again = FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"))
+    again = engine_with(tiny_model, lr=1e-2)
     again.load_checkpoint(str(tmp_path / "ckpt"))
-    fresh.update_policy(batch(), Step())
-    again.update_policy(batch(), Step())
+    fresh.update_policy(batch())
+    again.update_policy(batch())
     for a, b in zip(params(fresh), params(again), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert fresh.optimizer.state_dict()["state"][0]["step"] == 2
@@ -150,8 +159,8 @@ def test_actor_critic_learns_values_with_the_policy_and_publishes_only_the_polic
 
     from meshrl.engines.checkpoints import VALUE_HEAD_FILE
 
-    plain = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"))
-    engine = FSDPEngine(str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), head="lm+value")
+    plain = engine_with(tiny_model, lr=3e-3)
+    engine = engine_with(tiny_model, lr=3e-3, head="lm+value")
     # inference receives exactly the policy's tensors: the value head stays in the trainer
     assert engine.manifest() == plain.manifest()
     assert len(list(engine.get_weights())) == len(engine.manifest())
@@ -160,10 +169,10 @@ def test_actor_critic_learns_values_with_the_policy_and_publishes_only_the_polic
     b.values = engine.compute_values(b, micro_batch=5)
     assert b.values.shape == b.mask.shape and b.values.abs().max() == 0  # a fresh head starts at 0
     cfg = Step(value_head=True, value_coef=1.0, value_clip=None)
-    first = engine.update_policy(b, cfg)
+    first = engine.update_policy(b, **cfg)
     for _ in range(30):
         b.values = engine.compute_values(b, micro_batch=5)
-        last = engine.update_policy(b, cfg)
+        last = engine.update_policy(b, **cfg)
     assert last["value_loss"] < 0.2 * first["value_loss"], (first, last)
     assert last["loss"] == pytest.approx(last["pg_loss"] + last["value_loss"], rel=1e-6)
     values = engine.compute_values(b, micro_batch=12)[b.mask]
@@ -194,7 +203,7 @@ def varied(n: int = 10):
     return pack(prompts, responses, logprobs, torch.randn(n, generator=g), torch.ones(n))
 
 
-def update_grads(engine: FSDPEngine, b, cfg: TrainerConfig) -> tuple[dict[str, float], list[torch.Tensor]]:
+def update_grads(engine: FSDPEngine, b, cfg: dict) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One update's metrics and the gradients its optimizer step saw (before clipping)."""
     seen: list[torch.Tensor] = []
     step = engine._step
@@ -204,7 +213,7 @@ def update_grads(engine: FSDPEngine, b, cfg: TrainerConfig) -> tuple[dict[str, f
         return step(**kw)
 
     engine._step = capture  # type: ignore[method-assign]
-    return engine.update_policy(b, cfg), seen
+    return engine.update_policy(b, **cfg), seen
 
 
 def assert_same_update(a: tuple, b: tuple, tol: float) -> None:
@@ -214,14 +223,10 @@ def assert_same_update(a: tuple, b: tuple, tol: float) -> None:
         torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
-def engine_with(tiny_model, **kw) -> FSDPEngine:
-    return FSDPEngine(str(tiny_model), OptimConfig(lr=1e-2), device=torch.device("cpu"), **kw)
-
-
 def test_chunked_logprobs_give_the_loss_and_gradients_of_the_whole_logits(tiny_model):
-    cfg = Step(entropy_coef=0.1, micro_batch=4)
-    whole = update_grads(engine_with(tiny_model, logits_chunk=0), varied(), cfg)
-    engine = engine_with(tiny_model, logits_chunk=5)
+    cfg = Step(entropy_coef=0.1)
+    whole = update_grads(engine_with(tiny_model, logits_chunk=0, micro_batch=4), varied(), cfg)
+    engine = engine_with(tiny_model, logits_chunk=5, micro_batch=4)
     assert engine._chunked  # the tiny Qwen2's logits are its output projection: chunks apply
     chunked = update_grads(engine, varied(), cfg)
     assert_same_update(chunked, whole, 1e-6)
@@ -235,8 +240,8 @@ def test_packed_micro_batches_give_the_loss_and_gradients_of_unpacked_ones(tiny_
     assert all(m.input_ids.numel() <= max(30, int(widths.max())) for m in micro)
     assert any(m.position_ids is not None and (m.position_ids[:, 1:] == 0).any() for m in micro)  # packed
     assert sum(int(m.mask.sum()) for m in micro) == int(b.mask.sum())
-    rows = update_grads(engine_with(tiny_model), b, Step(micro_batch=4))
-    packed = update_grads(engine_with(tiny_model), b, Step(max_tokens_per_micro_batch=30))
+    rows = update_grads(engine_with(tiny_model, micro_batch=4), b, Step())
+    packed = update_grads(engine_with(tiny_model, max_tokens_per_micro_batch=30), b, Step())
     assert_same_update(packed, rows, 1e-5)
 
 
@@ -247,14 +252,12 @@ def test_activation_checkpointing_changes_nothing_but_memory(tiny_model):
 
 
 def test_bf16_mixed_keeps_fp32_master_state_and_learns(tiny_model):
-    engine = FSDPEngine(
-        str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), precision="bf16-mixed"
-    )
+    engine = engine_with(tiny_model, lr=3e-3, precision="bf16-mixed", micro_batch=4)
     b = varied(12)
     b.advantages = torch.where(torch.arange(12) % 2 == 0, 1.0, -1.0)
-    first = engine.update_policy(b, Step(micro_batch=4))
+    first = engine.update_policy(b)
     for _ in range(5):
-        last = engine.update_policy(b, Step(micro_batch=4))
+        last = engine.update_policy(b)
     assert last["pg_loss"] < first["pg_loss"] - 0.05, (first["pg_loss"], last["pg_loss"])
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
     state = [v for s in engine.optimizer.state.values() for k, v in s.items() if k != "step"]
@@ -268,7 +271,7 @@ def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, 
     from transformers import AutoModelForCausalLM
 
     plain = engine_with(tiny_model)
-    engine = engine_with(tiny_model, lora=Lora(rank=4, save_merged=True))
+    engine = engine_with(tiny_model, lora=LoraConfig(rank=4, save_merged=True))
     assert engine.manifest() == plain.manifest()  # inference sees a plain model
     trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
@@ -276,8 +279,8 @@ def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, 
     frozen = {n: p.detach().clone() for n, p in engine.model.named_parameters() if not p.requires_grad}
     before = params(engine)
     assert all(torch.equal(a, b) for a, b in zip(before, params(plain), strict=True))  # B starts at 0
-    engine.update_policy(varied(), Step())
-    engine.update_policy(varied(), Step())
+    engine.update_policy(varied())
+    engine.update_policy(varied())
     assert all(torch.equal(p, frozen[n]) for n, p in engine.model.named_parameters() if not p.requires_grad)
     after = params(engine)
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -290,7 +293,7 @@ def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, 
     engine.save_checkpoint(str(tmp_path / "ckpt"))  # adapters and their optimizer state only
     saved = sum(f.stat().st_size for f in (tmp_path / "ckpt").iterdir())
     assert saved < sum(p.numel() * 4 for p in frozen.values()) / 2
-    resumed = engine_with(tiny_model, lora=Lora(rank=4))
+    resumed = engine_with(tiny_model, lora=LoraConfig(rank=4))
     resumed.load_checkpoint(str(tmp_path / "ckpt"))
     assert resumed.steps == 2 and all(torch.equal(a, b) for a, b in zip(params(resumed), after, strict=True))
 
@@ -298,14 +301,15 @@ def test_lora_trains_only_the_adapters_and_publishes_merged_weights(tiny_model, 
 def test_lora_published_alone_is_a_peft_adapter_whose_merge_is_the_merged_publication(tiny_model):
     """publish_adapters (for vLLM): the adapter matrices under PEFT's saved names (in the compute dtype);
     PEFT loads them, and their merge into the base is what the merged publication carries."""
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft import LoraConfig as PeftLora
+    from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    lora = Lora(rank=4, alpha=8.0)
+    lora = LoraConfig(rank=4, alpha=8.0)
     engine = engine_with(tiny_model, lora=lora, publish_adapters=True)
     merged = engine_with(tiny_model, lora=lora)
     for _ in range(3):
-        engine.update_policy(varied(), Step())
+        engine.update_policy(varied())
     merged.model.load_state_dict(engine.model.state_dict())
     names = [n for n, _, _ in engine.manifest()]
     assert names and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in names)
@@ -313,7 +317,7 @@ def test_lora_published_alone_is_a_peft_adapter_whose_merge_is_the_merged_public
     assert [n for n, _, _ in bf16.manifest()] == names and {d for _, _, d in bf16.manifest()} == {"bfloat16"}
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     plain = {n: p.detach().clone() for n, p in base.named_parameters()}
-    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8.0, target_modules="all-linear"))
+    peft = get_peft_model(base, PeftLora(r=4, lora_alpha=8.0, target_modules="all-linear"))
     result = set_peft_model_state_dict(peft, dict(zip(names, engine.get_weights(), strict=True)))
     assert not [k for k in result.unexpected_keys if ".lora_" in k]
     mine = peft.merge_and_unload().state_dict()
@@ -326,7 +330,7 @@ def test_lora_published_alone_is_a_peft_adapter_whose_merge_is_the_merged_public
 
 @pytest.mark.parametrize(
     ("kw", "dtype", "tolerance"),
-    [({"lora": Lora(rank=4)}, "float32", 1e-5), ({"precision": "bf16-mixed"}, "bfloat16", 0.05)],
+    [({"lora": LoraConfig(rank=4)}, "float32", 1e-5), ({"precision": "bf16-mixed"}, "bfloat16", 0.05)],
 )
 def test_inference_scores_as_the_trainer_after_updates(tiny_model, kw, dtype, tolerance):
     """LoRA: inference gets the merged weights; bf16-mixed: a bf16 inference model gets the bf16
@@ -341,12 +345,16 @@ def test_inference_scores_as_the_trainer_after_updates(tiny_model, kw, dtype, to
 def test_packing_precision_and_lora_settings_are_checked_at_load_time():
     from meshrl.planning.config import RecipeError
 
-    Step(max_tokens_per_micro_batch=64, precision="bf16-mixed", lora=Lora(rank=8))
+    packed = MemoryConfig(max_tokens_per_micro_batch=64, precision="bf16-mixed")
+    TrainerConfig(model=".", memory=packed, lora=LoraConfig(rank=8))
     for field, bad in (
-        ("max_tokens_per_micro_batch", dict(loss_agg="seq-mean-token-mean")),  # per-row terms need rows
-        ("max_tokens_per_micro_batch", dict(policy_loss="gspo")),
-        ("loader_kwargs", dict(loader_kwargs={"dtype": "bfloat16"}, max_tokens_per_micro_batch=None)),
-        ("lora", dict(lora=Lora(rank=8), value_head=True, max_tokens_per_micro_batch=None)),
+        (
+            "max_tokens_per_micro_batch",
+            dict(loss=LossConfig(aggregation="seq-mean-token-mean")),
+        ),  # per-row terms
+        ("max_tokens_per_micro_batch", dict(loss=LossConfig(policy="gspo"))),
+        ("loader_kwargs", dict(loader_kwargs={"dtype": "bfloat16"}, memory=MemoryConfig())),
+        ("lora", dict(lora=LoraConfig(rank=8), value=ValueHeadConfig(head=True), memory=MemoryConfig())),
     ):
         with pytest.raises(RecipeError, match=field):
-            Step(**{"max_tokens_per_micro_batch": 64, **bad})
+            TrainerConfig(model=".", **{"memory": packed, **bad})  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrl.roles.trainer.config import Lora
+from meshrl.engines.settings import LoraConfig
 from tests.conftest import REPO, free_base_port
 from tests.unit.engines.test_fsdp_engine import Step, engine_with, update_grads, varied
 
@@ -28,8 +28,8 @@ def test_two_ranks_see_the_gradient_of_the_whole_batch(tiny_model, tmp_path: Pat
         check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     two = torch.load(out)
-    engine = engine_with(tiny_model, lora=Lora(rank=lora_rank) if lora_rank else None)
-    stats, grads = update_grads(engine, varied(), Step(micro_batch=2))
+    engine = engine_with(tiny_model, micro_batch=2, lora=LoraConfig(rank=lora_rank) if lora_rank else None)
+    stats, grads = update_grads(engine, varied(), Step())
     assert two["stats"]["loss"] == pytest.approx(stats["loss"], rel=1e-5)
     assert two["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4)
     for a, b in zip(two["grads"], grads, strict=True):

@@ -13,16 +13,14 @@ import torch.multiprocessing as mp
 
 
 def rank_main(rank: int, model: str, out: str, port: int, lora_rank: int) -> None:
-    from meshrl.roles.trainer.config import Lora
+    from meshrl.engines.settings import LoraConfig
     from tests.unit.engines.test_fsdp_engine import Step, engine_with, update_grads, varied
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    engine = engine_with(model, lora=Lora(rank=lora_rank) if lora_rank else None)
+    engine = engine_with(model, micro_batch=2, lora=LoraConfig(rank=lora_rank) if lora_rank else None)
     whole = varied()
-    stats, grads = update_grads(
-        engine, whole.rows(torch.arange(rank, len(whole.mask), 2)), Step(micro_batch=2)
-    )
+    stats, grads = update_grads(engine, whole.rows(torch.arange(rank, len(whole.mask), 2)), Step())
     full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
     published = [t.clone() for t in engine.get_weights()]
     if rank == 0:

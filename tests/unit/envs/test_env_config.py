@@ -37,7 +37,10 @@ def test_bad_fields_are_listed_at_once() -> None:
         ("env.environment=meshrl.tasks.agent_calc:calc", "is not a subclass of meshrl.envs.Environment"),
         ("env.environment=meshrl.nope:Env", "environment: cannot import 'meshrl.nope'"),
         ("env.max_tokens=16", "max_tokens: 16 leaves no room for one turn of 16"),
-        ("env.inference=trainer", "inference: 'trainer' is not an inference group"),
+        (
+            "inference.trainer=rollout",
+            "inference'].config.trainer: 'rollout' is not a trainer of this recipe",
+        ),
     ],
 )
 def test_recipe_problems_name_the_field(tiny_model: Path, override: str, message: str) -> None:

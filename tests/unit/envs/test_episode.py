@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 from meshrl.envs import Environment, Limits, PlainParser, Renderer, State, Step, Turn, advance, start, tool
 from meshrl.models.tiny import build_tokenizer
+from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 
 
 @tool
@@ -75,13 +75,13 @@ def test_layout_and_loss_mask(tok: Any) -> None:
         ids(tok, "<|user|>51<|assistant|>"),
         [*ids(tok, "51"), eos],
     )
-    assert sample[PROMPT].tolist() == prompt
-    assert sample[RESPONSE].tolist() == turn1 + reply + turn2  # the model's ids exactly as given
-    assert sample[LOSS_MASK].tolist() == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
-    assert sample[LOGPROBS].tolist() == [-0.5] * len(turn1) + [0.0] * len(reply) + [-0.5] * len(turn2)
-    assert sample[TOKEN_VERSIONS].tolist() == [10] * len(turn1) + [-1] * len(reply) + [11] * len(turn2)
+    assert sample[PROMPT] == prompt
+    assert sample[RESPONSE] == turn1 + reply + turn2  # the model's ids exactly as given
+    assert sample[LOSS_MASK] == [1] * len(turn1) + [0] * len(reply) + [1] * len(turn2)
+    assert sample[LOGPROBS] == [-0.5] * len(turn1) + [0.0] * len(reply) + [-0.5] * len(turn2)
+    assert sample[TOKEN_VERSIONS] == [10] * len(turn1) + [-1] * len(reply) + [11] * len(turn2)
     assert out.trajectory.version_range == (10, 11)
-    assert tok.decode(sample[PROMPT].tolist() + sample[RESPONSE].tolist()) == (
+    assert tok.decode(sample[PROMPT] + sample[RESPONSE]) == (
         "<|user|>12+34+5=<|assistant|>calc(12+34+5)<eos><|user|>51<|assistant|>51<eos>"
     )
 

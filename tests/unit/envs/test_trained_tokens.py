@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from meshrl.algorithms.losses import ppo_clip, token_logprobs
-from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE
 from meshrl.dataplane import Ragged
 from meshrl.engines.base import SamplingParams
 from meshrl.engines.hf import HFEngine
 from meshrl.engines.packing import pack
 from meshrl.envs import Environment, Limits, PlainParser, Renderer, State, Step, Turn, advance, start
+from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE
 
 
 class Echo(Environment):
@@ -56,14 +56,14 @@ def played(tiny_model: Path) -> tuple[Any, list[list[int]], list[list[float]], A
         return out
 
     out = asyncio.run(go())
-    return engine, turns, logprobs, out.trajectory.sample()
+    return engine, turns, logprobs, {k: torch.tensor(v) for k, v in out.trajectory.sample().items()}
 
 
 def packed(sample: dict[str, torch.Tensor], advantage: torch.Tensor | Ragged | None = None) -> Any:
     return pack(
-        [sample[PROMPT]], [sample[RESPONSE]], [sample[LOGPROBS]],
+        [sample[PROMPT]], [sample[RESPONSE]], [sample[LOGPROBS].float()],
         torch.tensor([1.0]) if advantage is None else advantage, torch.tensor([True]),
-        loss_mask=Ragged.from_list([sample[LOSS_MASK]]),
+        loss_mask=Ragged.from_list([sample[LOSS_MASK].to(torch.int8)]),
     )  # fmt: skip
 
 
