@@ -75,9 +75,9 @@ def mesh(model: Path, work: Path, steps: int) -> dict[str, float]:
 def barrier(trajectories: int, seed: int = 0) -> float:
     """Trajectories per second of a global loop: every round waits for the batch's slowest tool."""
     from meshrl.engines.base import SamplingParams
+    from meshrl.engines.settings import SimGeneration
     from meshrl.engines.sim import SimInferenceEngine
     from meshrl.envs.sim import MAX_TURNS, MIN_TURNS, tool_latency
-    from meshrl.roles.inference.config import SimGeneration
 
     rng = random.Random(seed)
     engines = [

@@ -122,13 +122,12 @@ def memory_worker(kind: str, out: str) -> None:
         from meshrl.engines.fsdp import FSDPEngine
         from meshrl.engines.optim import OptimConfig
         from meshrl.engines.packing import pack
-        from meshrl.roles.trainer.config import TrainerConfig
 
         engine = FSDPEngine(model, OptimConfig(lr=1e-3), device=torch.device("cpu"))
         rows = [torch.tensor([1, 2, 3])] * 8
         batch = pack(rows, [torch.tensor([4, 5])] * 8, [torch.tensor([-1.0, -1.0])] * 8,
                      torch.tensor([1.0, -1.0] * 4), torch.ones(8, dtype=torch.bool))  # fmt: skip
-        engine.update_policy(batch, TrainerConfig(model=model))  # optimizer state exists
+        engine.update_policy(batch)  # optimizer state exists
         target = engine
     else:
         from meshrl.engines.base import SamplingParams

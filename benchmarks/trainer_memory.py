@@ -89,22 +89,17 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from meshrl.engines.fsdp import FSDPEngine
-    from meshrl.engines.optim import OptimConfig
-    from meshrl.roles.trainer.config import Lora, TrainerConfig
+    from meshrl.engines.settings import LoraConfig, MemoryConfig, OptimConfig
 
     settings = dict(CONFIGS[args.child])
-    if "lora" in settings:
-        settings["lora"] = Lora(**settings["lora"])
-    engine_keys = ("precision", "activation_checkpointing", "logits_chunk", "lora")
-    engine_kw = {k: v for k, v in settings.items() if k in engine_keys}
-    cfg = TrainerConfig(
-        model=args.model, micro_batch=args.rows,
-        **{k: v for k, v in settings.items() if k not in engine_keys or k == "precision"},
-    )  # fmt: skip
-    engine = FSDPEngine(args.model, OptimConfig(lr=1e-6), device=torch.device("cpu"), **engine_kw)
+    lora = LoraConfig(**settings.pop("lora")) if "lora" in settings else None
+    memory = MemoryConfig(micro_batch=args.rows, **settings)
+    engine = FSDPEngine(
+        args.model, OptimConfig(lr=1e-6), device=torch.device("cpu"), memory=memory, lora=lora
+    )
     b = batch(args.rows, SHAPES[args.shape]["vocab_size"], args.prompt, args.min_response, args.max_response)
     t0, cpu0 = time.perf_counter(), _cpu_s()
-    engine.update_policy(b, cfg)
+    engine.update_policy(b)
     step_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(json.dumps({"peak_mb": round(peak_mb, 1), "step_s": round(step_s, 2), "cpu_s": round(cpu_s, 2)}))

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(models(rest))
     if cmd == "eval":
-        from meshrl.runtime.evaluate import main as evaluate
+        from meshrl.commands.eval import main as evaluate
 
         raise SystemExit(evaluate(rest))
     if cmd == "sft":

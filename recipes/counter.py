@@ -4,7 +4,7 @@ meshrl run recipes/counter.py
 """
 
 from meshrl.planning.recipe import Recipe, ServiceGroup
-from meshrl.roles.counter import CounterConsumerConfig, CounterProducerConfig
+from meshrl.roles.counter.config import CounterConsumerConfig, CounterProducerConfig
 
 
 def recipe() -> Recipe:

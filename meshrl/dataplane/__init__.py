@@ -24,7 +24,7 @@ _EXPORTS = {
     "Ragged": "meshrl.dataplane.batch",
     "Storage": "meshrl.dataplane.storage",
     "UnknownPartition": "meshrl.dataplane.client",
-    "start_controller": "meshrl.dataplane.controller",
+    "start_controller": "meshrl.dataplane.serve",
     "start_storage": "meshrl.dataplane.storage",
 }
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from meshrl.dataplane.aio import AsyncClient
     from meshrl.dataplane.batch import Batch, Ragged
     from meshrl.dataplane.client import Client, DataPlaneError, LeaseExpired, PartitionFull, UnknownPartition
-    from meshrl.dataplane.controller import Controller, start_controller
+    from meshrl.dataplane.controller import Controller
+    from meshrl.dataplane.serve import start_controller
     from meshrl.dataplane.storage import Storage, start_storage
     from meshrl.dataplane.wire import AuthError
 

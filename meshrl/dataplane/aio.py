@@ -23,6 +23,8 @@ from meshrl.dataplane.core import ClientCore, DataPlaneError, raise_for
 from meshrl.dataplane.rpc_client import AsyncRpcClient
 from meshrl.dataplane.wire import connect_client
 
+WATCH_S = 60.0
+"""How long a service parks an idle claim: it comes back empty this often and is parked again."""
 CLAIM_GRACE_S = 900.0
 
 

@@ -10,7 +10,7 @@ rows.
 Malformed or hostile frames are answered with an `Error` (or dropped when they cannot even be routed)
 and logged; nothing a peer sends can stop the loop.
 
-Run standalone with `meshrl queue serve`, or in-process with `start_controller` (tests).
+Run standalone with `meshrl queue serve`, or in-process with `serve.start_controller` (tests).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from meshrl.dataplane import snapshot as snap
 from meshrl.dataplane.columns import locate
 from meshrl.dataplane.consumers import Consumer
 from meshrl.dataplane.ledger import Ledger
-from meshrl.dataplane.parking import Parked, Parking
+from meshrl.dataplane.parking import Parked, Parking, full_message
 from meshrl.dataplane.protocol import TableError
 from meshrl.dataplane.rpc import Connection, RpcServer
 from meshrl.dataplane.segments import Segments
@@ -243,7 +243,7 @@ class Controller:
             if msg.timeout > 0:
                 self.parking.park(parked, conn, rid, msg, msg.timeout)
                 return None
-            raise TableError("full", _full_message(part, msg.timeout))
+            raise TableError("full", full_message(part, msg.timeout))
         if parked and msg.ids is None:  # keep FIFO order behind parked producers
             self.parking.park(parked, conn, rid, msg, msg.timeout)
             return None
@@ -283,7 +283,7 @@ class Controller:
             )
         if msg.group_size is not None and msg.group_size > msg.n:
             raise P.ProtocolError(f"claim of n={msg.n} rows can never hold a group of {msg.group_size}")
-        _positive(msg.lease, "lease")
+        P.positive_seconds(msg.lease, "lease")
         c = part.consumer(msg.consumer, msg.columns, msg.group_size)
         reply = self._try_claim(conn, part, c, msg)
         if reply is not None:
@@ -291,7 +291,7 @@ class Controller:
         if msg.timeout > 0:
             self.parking.park(self.parking.claims[part.name], conn, rid, msg, msg.timeout)
             return None
-        return _empty_claim()
+        return P.empty_claim()
 
     def _try_claim(self, conn: Connection, part: Partition, c: Consumer, msg: P.Claim) -> P.ClaimReply | None:
         need = msg.min_n
@@ -346,7 +346,7 @@ class Controller:
         lease = c.leases.get(msg.claim)
         if lease is None:
             raise TableError("expired", f"claim {msg.claim} is unknown or its lease expired")
-        lease.deadline = time.monotonic() + _positive(msg.lease, "lease")
+        lease.deadline = time.monotonic() + P.positive_seconds(msg.lease, "lease")
         self.parking.at(lease.deadline, (part.name, c.name, msg.claim))
         return P.Ok(lease.n)
 
@@ -414,10 +414,10 @@ class Controller:
             if not isinstance(what, Parked):
                 self._lease_due(*what, now)
             elif isinstance(what.msg, P.Claim):
-                self._reply(what.conn, what.rid, _empty_claim())
+                self._reply(what.conn, what.rid, P.empty_claim())
             else:
                 part = self.partitions[what.msg.partition]
-                self._reply(what.conn, what.rid, P.Error("full", _full_message(part, what.msg.timeout)))
+                self._reply(what.conn, what.rid, P.Error("full", full_message(part, what.msg.timeout)))
 
     def _lease_due(self, pname: str, cname: str, claim_id: int, now: float) -> None:
         part = self.partitions.get(pname)
@@ -439,31 +439,3 @@ class Controller:
             clients=self.segments.alive_clients(),
             uptime_s=time.monotonic() - self.started,
         )
-
-
-def _positive(x: float, what: str) -> float:
-    if not x > 0 or x > 86400 * 365:
-        raise P.ProtocolError(f"{what} must be a positive number of seconds, got {x}")
-    return x
-
-
-def _empty_claim() -> P.ClaimReply:
-    return P.ClaimReply(claim=0, ids=b"", segments=[], columns=[])
-
-
-def _full_message(part: Partition, timeout: float) -> str:
-    return (
-        f"partition {part.name!r} is full ({part.rows}/{part.capacity} rows) and stayed full for "
-        f"{timeout:.1f}s; a consumer must ack/delete rows (is the terminal consumer running?) or the "
-        "partition needs a larger capacity"
-    )
-
-
-def start_controller(
-    endpoint: str = "tcp://127.0.0.1:0", **kwargs: Any
-) -> tuple[Controller, threading.Thread]:
-    """Run a controller in a daemon thread of this process (tests, notebooks)."""
-    ctl = Controller(endpoint, **kwargs)
-    thread = threading.Thread(target=ctl.serve_forever, name="meshrl-controller", daemon=True)
-    thread.start()
-    return ctl, thread

@@ -94,3 +94,12 @@ class Parking:
                 queues[what.msg.partition].remove(what)
             return what
         return None
+
+
+def full_message(part: Any, timeout: float) -> str:
+    """Why a put into partition `part` gave up after waiting `timeout` seconds."""
+    return (
+        f"partition {part.name!r} is full ({part.rows}/{part.capacity} rows) and stayed full for "
+        f"{timeout:.1f}s; a consumer must ack/delete rows (is the terminal consumer running?) or the "
+        "partition needs a larger capacity"
+    )

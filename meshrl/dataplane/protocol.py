@@ -327,3 +327,14 @@ def item_bytes(dtype: str, shape: list[int]) -> int:
             raise ProtocolError(f"shape {shape} invalid: at most {MAX_NDIM} non-negative dims")
         size *= d
     return size
+
+
+def positive_seconds(x: float, what: str) -> float:
+    """`x` if it is a sensible number of seconds (a lease, a timeout), else a ProtocolError."""
+    if not x > 0 or x > 86400 * 365:
+        raise ProtocolError(f"{what} must be a positive number of seconds, got {x}")
+    return x
+
+
+def empty_claim() -> ClaimReply:
+    return ClaimReply(claim=0, ids=b"", segments=[], columns=[])

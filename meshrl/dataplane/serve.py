@@ -27,12 +27,13 @@ import signal
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from meshrl.dataplane.controller import Controller
 from meshrl.dataplane.ledger import Ledger
 from meshrl.dataplane.shm import DEFAULT_SHM_DIR
 from meshrl.dataplane.storage import Storage
-from meshrl.runtime.supervise import die_with_parent
+from meshrl.lifetime import die_with_parent
 
 STOP = {signal.SIGTERM, signal.SIGINT}
 
@@ -124,3 +125,13 @@ def _noted(signum: int, frame: FrameType | None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def start_controller(
+    endpoint: str = "tcp://127.0.0.1:0", **kwargs: Any
+) -> tuple[Controller, threading.Thread]:
+    """Run a controller in a daemon thread of this process (tests, notebooks)."""
+    ctl = Controller(endpoint, **kwargs)
+    thread = threading.Thread(target=ctl.serve_forever, name="meshrl-controller", daemon=True)
+    thread.start()
+    return ctl, thread

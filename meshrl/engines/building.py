@@ -1,13 +1,75 @@
-"""How the trainer's model is built: loaded in float32 (the master weights), each decoder layer found
-(an FSDP unit, and optionally checkpointed), and FSDP2's mixed-precision arguments."""
+"""How the trainer's model is built: loaded in float32 (the master weights), a value head added, each
+decoder layer found (an FSDP unit, and optionally checkpointed), LoRA adapters added, sharded with
+FSDP2 and its mixed-precision arguments over several ranks."""
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from meshrl.algorithms.chunked import head_is_linear
+from meshrl.engines import checkpoints
+from meshrl.engines.lora import add_adapters
+from meshrl.engines.settings import LoraConfig, MemoryConfig
+
+
+@dataclass
+class Built:
+    model: Any
+    model_config: Any
+    logits_to_keep: bool
+    """The model's forward can compute the logits of its last positions only."""
+    linear_head: bool
+    """Its logits are a plain projection of the last hidden state (chunked log-probs apply)."""
+
+
+def build(
+    model_path: str,
+    head: str,
+    loader_kwargs: dict[str, Any] | None,
+    memory: MemoryConfig,
+    lora: LoraConfig | None,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    world: int,
+) -> Built:
+    """The model of `head` ("lm", "value", "lm+value": see FSDPEngine) ready to train on `device`: value
+    head, activation checkpointing, LoRA adapters, FSDP over `world` ranks (one rank: not wrapped, FSDP's
+    hooks would be pure overhead)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not os.path.exists(model_path):
+        raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
+    model = load(model_path, head, loader_kwargs)
+    config = model.config
+    logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+    if head == "lm+value":
+        model.value_head = checkpoints.value_head(model, model_path)
+    model.to(device)
+    linear = head != "value" and logits_to_keep and head_is_linear(model, device)
+    if memory.activation_checkpointing:
+        for layer in decoder_layers(model):
+            checkpoint_layer(layer)
+    if lora is not None:
+        if head != "lm":
+            raise ValueError("LoRA trains a policy (head 'lm')")
+        model = add_adapters(model, lora, frozen_dtype=compute_dtype)
+    if world > 1:
+        mesh = init_device_mesh(device.type, (world,))
+        shard = functools.partial(fully_shard, mesh=mesh, **mixed_precision(compute_dtype))
+        for layer in decoder_layers(model):
+            shard(layer)
+        if head == "lm+value":  # called outside the model's forward: its own unit
+            shard(model.value_head)
+        shard(model)
+    return Built(model, config, logits_to_keep, linear)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -7,11 +7,10 @@ micro-batches and loss normalisation over the whole step across every data-paral
 CPU (gloo) and GPU (NCCL). With one rank the model is not wrapped at all (FSDP's hooks would be pure
 overhead) and AdamW runs fused. The same engine with `head="value"` is the critic (`update_value`).
 
-Here: the model's set-up (loading, the value head, FSDP wrapping, the optimizer), the forwards, the
-micro-batch loop of each optimizer step and the step itself. Beside it: how the model is loaded and
-prepared for memory (`building.py`), what a step minimises and
-reports (`objective.py`), the full tensors gathered for publication (`gather.py`), and the model on disk
-(`checkpoints.py`).
+Here: the optimizer, the forwards, the micro-batch loop of each optimizer step and the step itself.
+Beside it: how the model is built (loading, value head, checkpointing, LoRA, FSDP: `building.py`), what
+a step minimises and reports (`objective.py`), the full tensors gathered for publication (`gather.py`),
+and the model on disk (`checkpoints.py`, `lora.py`).
 
 `get_weights()` yields full (unsharded) tensors in `manifest()` order; every rank must iterate it (the
 gather is collective) and only rank 0 keeps what it yields.
@@ -21,10 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
 import math
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -32,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshrl.algorithms.chunked import head_is_linear, head_logprobs
+from meshrl.algorithms.chunked import head_logprobs
 from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
-from meshrl.engines.building import checkpoint_layer, decoder_layers, load, mixed_precision
+from meshrl.engines.building import build
 from meshrl.engines.gather import full_tensors
-from meshrl.engines.lora import ADAPTER, adapter_parameters, add_adapters, merged_parameters, train_dropout
+from meshrl.engines.lora import adapter_parameters, merged_parameters, save_adapter, train_dropout
 from meshrl.engines.objective import Objective, PolicyObjective, value_terms
 from meshrl.engines.optim import lr_factor
 from meshrl.engines.packing import TrainBatch, token_micro_batches
@@ -81,20 +77,9 @@ class FSDPEngine:
         `checkpoints.VALUE_HEAD_FILE` in `model_path` when there is one, else zero: every value starts
         at 0). `temperature`: the policy's log-probabilities are taken under logits / temperature, the
         distribution inference samples. `total_steps`: optimizer steps the learning-rate schedule spans.
-
-        The sections (meshrl/engines/settings.py): `optim`, AdamW and its schedule; `memory`, micro-batches
-        and precision: "bf16-mixed" keeps float32 parameters, gradients and optimizer state and computes
-        forward and backward in bfloat16 (autocast; under FSDP the all-gathers are bf16 too, FSDP2's
-        MixedPrecisionPolicy, and gradients are reduced in float32), and publishes the weights in
-        bfloat16, so inference receives exactly what the trainer computes with (the model is loaded in
-        float32 whatever its checkpoint's dtype); activation checkpointing keeps each decoder layer's
-        input only; `logits_chunk` positions' logits exist at a time when the policy's log-probs are
-        computed (`chunked.head_logprobs`; 0, and distillation, compute the whole logits); `lora`
-        (rank 0 or None: full fine-tuning): LoRA adapters only (`lora.py`), published merged into the
-        base or, with `publish_adapters`, alone."""
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
+        The sections `optim`, `memory` and `lora` are meshrl/engines/settings.py's; under bf16-mixed the
+        model is loaded and kept in float32 (master weights) and published in bfloat16, and with
+        `publish_adapters` a LoRA policy publishes its adapters alone."""
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
         self.lora = lora if lora is not None and lora.rank > 0 else None
@@ -107,33 +92,16 @@ class FSDPEngine:
         self.memory, self.total_steps = memory, total_steps
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if not os.path.exists(model_path):
-            raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
-        model = load(model_path, head, loader_kwargs)
-        self.hf_config = model.config
+        built = build(
+            model_path, head, loader_kwargs, memory, self.lora, self.compute_dtype, device, self.world
+        )
+        model, self.hf_config = built.model, built.model_config
         # values need the last hidden state, not the logits: most HF models can skip all but one
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
-        if head == "lm+value":
-            model.value_head = checkpoints.value_head(model, model_path)
-        model.to(device)
+        self._logits_to_keep = built.logits_to_keep
         # chunked log-probs need logits that are the output projection of the last hidden state
-        self._chunked = memory.logits_chunk > 0 and head != "value" and self._logits_to_keep
-        self._chunked = self._chunked and head_is_linear(model, device)
-        if memory.activation_checkpointing:
-            for layer in decoder_layers(model):
-                checkpoint_layer(layer)
-        if self.lora is not None:
-            if head != "lm":
-                raise ValueError("LoRA trains a policy (head 'lm')")
-            model = add_adapters(model, self.lora, frozen_dtype=self.compute_dtype)
-        if self.world > 1:  # one rank has nothing to shard: FSDP's hooks would be pure overhead
-            mesh = init_device_mesh(device.type, (self.world,))
-            shard = functools.partial(fully_shard, mesh=mesh, **mixed_precision(self.compute_dtype))
-            for layer in decoder_layers(model):
-                shard(layer)
-            if head == "lm+value":  # called outside the model's forward: its own unit
-                shard(model.value_head)
-            shard(model)
+        self._chunked = (
+            memory.logits_chunk > 0 and head != "value" and built.logits_to_keep and built.linear_head
+        )
         self.model: Any = model
         self._manifest = [
             (n, tuple(p.shape), DTYPE_NAMES[self._published(p.dtype)]) for n, p in self._policy_parameters()
@@ -445,35 +413,12 @@ class FSDPEngine:
         adapter (PEFT's files, which name `source` as their base), and the merged model in `path`/merged
         when `lora.save_merged`."""
         if self.lora is not None:
-            self._save_adapter(path, source)
+            save_adapter(self.model, self.lora, self.hf_config, path, source=source, world=self.world)
             return
         critic = self.head == "value"
         checkpoints.save_pretrained(
             self.model, self.hf_config, path, critic=critic, rank=self.rank, source=source
         )
-
-    def _save_adapter(self, path: str, source: str | None) -> None:
-        """Collective over the ranks (the shards are gathered); rank 0 writes."""
-        assert self.lora is not None
-        full = None
-        if self.world > 1:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            full = get_model_state_dict(self.model, options=options)
-        merged = None
-        if self.lora.save_merged:
-            named = merged_parameters(self.model)
-            tensors = full_tensors([t for _, t in named], self.world, 64 << 20)
-            merged = {n: t.detach().cpu() for (n, _), t in zip(named, tensors, strict=True)}
-        if self.rank != 0:
-            return
-        self.model.peft_config[ADAPTER].base_model_name_or_path = source
-        self.model.save_pretrained(path, state_dict=full)
-        if source is not None:
-            checkpoints.carry_over(source, path)
-        if merged is not None:
-            checkpoints.write_pretrained(merged, self.hf_config, os.path.join(path, "merged"), source=source)
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and step count, sharded as trained (torch.distributed.checkpoint; collective).

@@ -12,6 +12,7 @@ publication moves megabytes instead of the whole model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,3 +70,32 @@ def _merged(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 p = (p.float() + delta.float()).to(p.dtype)
             name = f"{owner}.{leaf}"
         yield name, p
+
+
+def save_adapter(model: Any, lora: Any, hf_config: Any, path: str, *, source: str | None, world: int) -> None:
+    """The final save of a LoRA run: the adapter (PEFT's files, naming `source` as their base), and with
+    `lora.save_merged` the merged model in `path`/merged. Collective over the ranks (the shards are
+    gathered); rank 0 writes."""
+    import torch.distributed as dist
+
+    from meshrl.engines import checkpoints
+    from meshrl.engines.gather import full_tensors
+
+    full = None
+    if world > 1:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    merged = None
+    if lora.save_merged:
+        named = merged_parameters(model)
+        tensors = full_tensors([t for _, t in named], world, 64 << 20)
+        merged = {n: t.detach().cpu() for (n, _), t in zip(named, tensors, strict=True)}
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0:
+        return
+    model.peft_config[ADAPTER].base_model_name_or_path = source
+    model.save_pretrained(path, state_dict=full)
+    if source is not None:
+        checkpoints.carry_over(source, path)
+    if merged is not None:
+        checkpoints.write_pretrained(merged, hf_config, os.path.join(path, "merged"), source=source)

@@ -240,6 +240,20 @@ class GAESettings:
 # generation engines
 
 
+INSTALL = {
+    "vllm": "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)",
+    "sglang": "pip install 'meshrl[sglang]'",
+}
+"""How to install the optional generation engines."""
+
+
+def installed(engine: str) -> bool:
+    """Whether the package of optional engine `engine` ("vllm", "sglang") can be imported (not importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec(engine) is not None
+
+
 @dataclass(frozen=True, kw_only=True)
 class VLLMSettings(Config):
     """Settings of the vLLM engine (engine="vllm")."""

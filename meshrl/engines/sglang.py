@@ -21,12 +21,12 @@ adapter's own logic is tested against a stand-in for SGLang's `Engine` (`tests/u
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from meshrl.engines import settings
 from meshrl.engines.base import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
@@ -39,12 +39,12 @@ from meshrl.engines.base import (
 )
 from meshrl.engines.served import ModelFacts, request_seeds
 
-INSTALL = "pip install 'meshrl[sglang]'"
+INSTALL = settings.INSTALL["sglang"]
 POLL_S = 0.005  # how often a generation in progress looks at `interrupt`
 
 
 def available() -> bool:
-    return importlib.util.find_spec("sglang") is not None
+    return settings.installed("sglang")
 
 
 class SGLangEngine(InferenceEngine):

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from meshrl.engines import settings
 from meshrl.engines.base import (
     FINISH_INTERRUPTED,
     FINISH_LENGTH,
@@ -56,16 +57,14 @@ from meshrl.engines.base import (
 )
 from meshrl.engines.served import ModelFacts, request_seeds
 
-INSTALL = "pip install 'meshrl[vllm]' (then: pip uninstall -y torchvision torchaudio torchcodec)"
+INSTALL = settings.INSTALL["vllm"]
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 POLICY_LORA_ID = 1
 SHUTDOWN_S = 30.0  # grace for vLLM's processes to exit (and unlink their shared memory) on close
 
 
 def available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
+    return settings.installed("vllm")
 
 
 class VLLMEngine(InferenceEngine):

@@ -7,15 +7,15 @@ the environment service (docs/architecture.md, "Agents"). Turn limits, the token
 per-step timeout are the service's (`meshrl/roles/env/config.py`), enforced around these calls.
 
     class Guess(Environment):
-        async def reset(self, row):
+        async def reset(self, row):          # the dataset row rollout fed -> first messages, state
             return [{"role": "user", "content": "guess my number"}], {"secret": row["secret"]}
 
-        async def step(self, state, message):
+        async def step(self, state, turn):   # turn.content, turn.tool_calls: the model's reply
             ...  # compare, reply "higher"/"lower", done when right
             return Step([{"role": "user", "content": "higher"}], done=False)
 
-        async def reward(self, state):
-            return float(state["found"])
+        async def reward(self, state, final):  # final: the last model turn (None if there was none)
+            return float(state.get("found", False))
 """
 
 from __future__ import annotations

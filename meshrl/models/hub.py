@@ -2,8 +2,8 @@
 
 A recipe may name a model by local path, by Hugging Face hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`),
 or as a GGUF file (`loader_kwargs={"gguf_file": "model-q4.gguf"}` next to `model`, or a path ending in
-`.gguf`). The planner calls `resolve_models` on the recipe, which rewrites every group's model into a
-plain local folder, so every role (inference, rollout's tokenizer, trainer, reference, ...) loads,
+`.gguf`). The planner rewrites every group's model into a plain local folder with `local`
+(meshrl/planning/models.py), so every role (inference, rollout's tokenizer, trainer, reference, ...) loads,
 saves and syncs the same kind of model and none repeats this logic:
 
 - a hub id resolves to its snapshot in the local huggingface_hub cache (`HF_HUB_CACHE`), downloaded
@@ -16,52 +16,14 @@ saves and syncs the same kind of model and none repeats this logic:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe
-
-MODEL_FIELDS = ("model", "policy")
-"""Config fields that name a model."""
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def resolve_models(recipe: Recipe) -> Recipe:
-    """The recipe with every model that can be found replaced by its local folder (and the GGUF file
-    setting dropped once dequantized); a model not found is left as it is, for the checks to report."""
-    gguf = gguf_files(recipe)
-    groups = []
-    for g in recipe.groups:
-        changes: dict[str, Any] = {}
-        for name in MODEL_FIELDS:
-            value = getattr(g.config, name, None)
-            if isinstance(value, str) and (path := local(value, gguf.get(value))) is not None:
-                changes[name] = str(path)
-        kwargs = getattr(g.config, "loader_kwargs", None)
-        if kwargs and "gguf_file" in kwargs and "model" in changes:
-            changes["loader_kwargs"] = {k: v for k, v in kwargs.items() if k != "gguf_file"}
-        groups.append(
-            dataclasses.replace(g, config=dataclasses.replace(g.config, **changes)) if changes else g
-        )
-    return dataclasses.replace(recipe, groups=tuple(groups))
-
-
-def gguf_files(recipe: Recipe) -> dict[str, str]:
-    """Model name -> GGUF file, from any group's `loader_kwargs.gguf_file`: every group naming the
-    same model (rollout's tokenizer too, which has no loader_kwargs) gets the same dequantized folder."""
-    out = {}
-    for g in recipe.groups:
-        file = (getattr(g.config, "loader_kwargs", None) or {}).get("gguf_file")
-        model = getattr(g.config, "model", None)
-        if file and isinstance(model, str):
-            out[model] = str(file)
-    return out
 
 
 def local(model: str, gguf_file: str | None = None) -> Path | None:

@@ -27,7 +27,7 @@ def prepare(
     """Load a recipe file, apply `overrides` and plan it on `devices` (None: the devices it needs, on
     this host). Raises one RecipeError listing every bad override and every problem of the plan (a
     recipe with an invalid override is planned without it, so its other problems show too)."""
-    from meshrl.models.hub import resolve_models
+    from meshrl.planning.models import resolve_models
 
     recipe, problems = apply_overrides(read_recipe(path), overrides)
     recipe = resolve_models(recipe)  # hub ids and GGUF files become local folders, before the checks

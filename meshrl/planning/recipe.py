@@ -29,6 +29,9 @@ from typing import Any, Literal
 
 from meshrl.planning.config import Config, RecipeError, ServiceConfig
 
+DEFAULT_BASE_PORT = 29600
+"""The base port of a run over several hosts whose recipe names none."""
+
 RECIPE_WIDE = ("prompts_per_step", "group_size", "temperature")
 """Recipe fields that services used to state each in their own config (an override of the old path
 says where it went)."""
@@ -148,8 +151,10 @@ class Recipe(Config):
     temperature: float = 1.0
     """Sampling temperature of inference; every log-probability of a sampled token (trainer, reference,
     teacher) is taken under logits / temperature, so that they match the sampling distribution."""
-    base_port: int = 29600
-    """Every port of the run follows from this and each process's device (see topology.py)."""
+    base_port: int | None = None
+    """Every port of the run follows from this and each process's device (see topology.py). None: a
+    single-host `meshrl run` takes a free range (and records it: the run's overrides get
+    base_port=...); launchers over several hosts use DEFAULT_BASE_PORT."""
     dataplane: DataPlaneConfig = DataPlaneConfig()
     checkpoint_every: int = 0
     """Checkpoint the whole run every this many steps (0: never); see meshrl/state/checkpoint.py."""
@@ -173,8 +178,13 @@ class Recipe(Config):
             yield "prompts_per_step, group_size: must be >= 1"
         if not self.temperature >= 0:
             yield f"temperature: must be >= 0, got {self.temperature}"
-        if not 1024 <= self.base_port <= 60000:
+        if self.base_port is not None and not 1024 <= self.base_port <= 60000:
             yield f"base_port: {self.base_port} must be in 1024..60000"
+
+    @property
+    def ports_from(self) -> int:
+        """The base port the plan uses: base_port, or DEFAULT_BASE_PORT when the recipe leaves it unset."""
+        return DEFAULT_BASE_PORT if self.base_port is None else self.base_port
 
     @property
     def batch_size(self) -> int:
@@ -281,7 +291,7 @@ def _subclasses(cls: type[Any]) -> list[type[Any]]:
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Run a recipe file's `recipe()`, apply overrides, and find its models on disk (hub ids, GGUF)."""
-    from meshrl.models.hub import resolve_models
+    from meshrl.planning.models import resolve_models
 
     return resolve_models(read_recipe(path).with_overrides(overrides or []))
 

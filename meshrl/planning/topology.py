@@ -164,9 +164,9 @@ def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
         hosts.setdefault(d.host, d.rank)
     hosts = hosts or {"localhost": 0}
     controller_host = devs[0].host if devs else "localhost"
-    storage = tuple((h, r, recipe.base_port + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
+    storage = tuple((h, r, recipe.ports_from + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
     stateful = tuple(g.id for g in recipe.groups if g.config.stateful)
-    return Topology(tuple(devs), replicas, controller_host, recipe.base_port, storage, wiring, stateful)
+    return Topology(tuple(devs), replicas, controller_host, recipe.ports_from, storage, wiring, stateful)
 
 
 def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:
@@ -212,7 +212,7 @@ def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:
 
 def ports(recipe: Recipe, launcher_on_host: int, slot: int) -> tuple[int, ...]:
     """The PORTS ports of process `slot` of the launcher at position `launcher_on_host` of its host."""
-    start = recipe.base_port + 2 + (launcher_on_host * SLOTS + slot) * PORTS
+    start = recipe.ports_from + 2 + (launcher_on_host * SLOTS + slot) * PORTS
     return tuple(range(start, start + PORTS))
 
 
@@ -254,7 +254,7 @@ def _port_problems(recipe: Recipe, replicas: Sequence[Replica]) -> list[str]:
         )
     top = max((p for r in replicas for p in r.processes), key=lambda p: p.ports[-1], default=None)
     if top is not None and top.ports[-1] > 65535:
-        found.append(f"base_port: {recipe.base_port} leaves no room for the ports of {top.name}; lower it")
+        found.append(f"base_port: {recipe.ports_from} leaves no room for the ports of {top.name}; lower it")
     return found
 
 

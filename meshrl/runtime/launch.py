@@ -23,11 +23,9 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,52 +35,14 @@ from meshrl.observe.follow import Follower, backlog
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
 from meshrl.planning.wiring import partitions
+from meshrl.runtime import ports
+from meshrl.runtime.peers import Alone, Gloo, my_address
 from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
 from meshrl.runtime.zygote import Forker, ZygoteDied
 from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, CONTROL, EVENT, FAILED
 from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
-
-
-class Alone:
-    """The peers of a launcher that owns every rank of a single-host run: none."""
-
-    size = 1
-
-    def gather(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def barrier(self) -> None:
-        pass
-
-
-class Gloo:
-    """Launchers started by torchrun, one per rank: their collectives, over gloo."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", timeout=timedelta(days=7))
-        self.dist = dist
-        self.size = dist.get_world_size()
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def gather(self, obj: Any) -> list[Any]:
-        import torch
-
-        data = json.dumps(obj).encode()
-        size = torch.tensor([len(data)])
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.dist.all_gather(sizes, size)
-        width = int(max(s.item() for s in sizes))
-        buf = torch.zeros(width, dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.size)]
-        self.dist.all_gather(out, buf)
-        return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes, strict=True)]
 
 
 class Launcher:
@@ -113,6 +73,7 @@ class Launcher:
         self.stopping = False
         self.stopped = 0  # services that were running when the launch was stopped
         self.rejoined: dict[str, int] = {}  # in-place restarts per group
+        self.lock: Any = None  # the run directory's lock, held for the launch (lead only)
 
     def run(self) -> int:
         """Run the launch to its end: 0 when training finished, non-zero when a service failed; raises
@@ -124,7 +85,7 @@ class Launcher:
 
     def _run(self) -> int:
         recipe = self.recipe = load_recipe(self.recipe_path, self.overrides)
-        mine = {"devices": [[d.rank, d.host, d.local_rank] for d in self.owned], "address": _my_address()}
+        mine = {"devices": [[d.rank, d.host, d.local_rank] for d in self.owned], "address": my_address()}
         gathered: list[Any] = self.peers.gather(mine)
         devices = sorted((Device(int(r), str(h), int(lr)) for g in gathered for r, h, lr in g["devices"]),
                          key=lambda d: d.rank)  # fmt: skip
@@ -133,6 +94,13 @@ class Launcher:
         self.run_dir = recipe.resolved_run_dir.resolve()
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
+        # before anything is started or removed: the run directory and the ports are this run's
+        if self.lead:
+            self.lock = ports.lock_run_dir(self.run_dir)
+        host = self.owned[0].host if self.owned else topology.controller_host
+        busy = ports.taken(ports.host_ports(topology, host, self.ranks))
+        if busy is not None:  # one line, not a traceback from a server that could not bind
+            raise RecipeError([f"base_port: {busy}; set another base_port, or leave it unset (free ports)"])
         if not topology.single_host and not recipe.dataplane.bind_all:
             raise RecipeError(
                 ["dataplane.bind_all: a run over several hosts must set it (the secret protects it)"]
@@ -209,7 +177,11 @@ class Launcher:
         self, recipe: Recipe, topology: Topology, address: dict[str, str], secret: str | None, controller: str
     ) -> None:
         bind_host = "0.0.0.0" if recipe.dataplane.bind_all else "127.0.0.1"
-        env = {**os.environ, **({"MESHRL_SECRET": secret} if secret else {})}
+        env = {
+            **os.environ,
+            **({"MESHRL_SECRET": secret} if secret else {}),
+            "MESHRL_RUN_DIR": str(self.run_dir),
+        }
         serve = [sys.executable, "-m", "meshrl.dataplane.serve", "--log-level", "INFO"]
         if self.resume is not None:
             serve += ["--restore", str(self.resume / "dataplane")]
@@ -402,6 +374,8 @@ class Launcher:
             c.stop()
         if self.segments is not None:
             sweep(*self.segments)
+        if self.lock is not None:
+            self.lock.close()  # the run directory is free for the next launch
 
 
 def _partitions(recipe: Recipe, topology: Topology) -> list[tuple[str, int, list[str]]]:
@@ -426,17 +400,6 @@ def _prepare_dataplane(
         for part, capacity, retain in partitions:
             wire.call(P.CreatePartition(part, capacity, delete_when_acked_by=retain))
         return str(wire.hello.run), str(wire.hello.shm_dir)
-
-
-def _my_address() -> str:
-    """The address other hosts reach this one at (the interface that routes to the rendezvous host)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 def _indent(text: str) -> str:

@@ -10,7 +10,8 @@ that two slots can share one (inference and trainer side by side on a single lar
 When a service fails and its group's restart policy is "on-failure", the whole run is started again
 from the latest complete checkpoint (or from the start if there is none yet), up to `max_restarts`
 times per group with doubling back-off; each restart is appended to <run_dir>/restarts.jsonl.
-`--resume` continues a stopped run from its latest checkpoint. Ctrl-C (SIGINT) or SIGTERM stops every
+`--resume` continues a stopped run from its latest checkpoint. A recipe that leaves `base_port` unset
+takes a free range of ports on this host (meshrl/runtime/ports.py), so several runs share a machine. Ctrl-C (SIGINT) or SIGTERM stops every
 process of the run gracefully, prints one line and exits 130 (143).
 """
 
@@ -28,7 +29,9 @@ from meshrl.dataplane.wire import host_id
 from meshrl.planning import prepare
 from meshrl.planning.config import RecipeError
 from meshrl.planning.topology import Device
-from meshrl.runtime.launch import Alone, Interrupted, Launcher, Signals
+from meshrl.runtime import ports
+from meshrl.runtime.launch import Interrupted, Launcher, Signals
+from meshrl.runtime.peers import Alone
 from meshrl.state import checkpoint as ckpt
 
 
@@ -50,6 +53,8 @@ def main(argv: list[str]) -> int:
     try:
         recipe, topology = prepare(args.recipe, args.overrides, _devices(args))
         devices = list(topology.devices)
+        if recipe.base_port is None:  # free ports on this host, recorded as an input of the plan
+            args.overrides.append(f"base_port={ports.free_base(topology, devices[0].host)}")
     except RecipeError as e:
         print(f"meshrl run: {e}", file=sys.stderr)
         return 2

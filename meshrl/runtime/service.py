@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Client
+from meshrl.dataplane.aio import WATCH_S
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.recipe import Recipe
 from meshrl.planning.topology import HEALTH, Process, Replica, Topology
@@ -31,8 +32,6 @@ from meshrl.schema import BY, CONTROL, EVENT, FAILED, FINISHED
 
 if TYPE_CHECKING:
     from meshrl.runtime.colocation import RingMember
-
-WATCH_S = 60.0  # parked claims come back empty this often (and are parked again)
 
 
 @dataclass

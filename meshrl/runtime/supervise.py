@@ -10,7 +10,6 @@ of children it started. Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import json
 import os
@@ -163,20 +162,6 @@ def stop_all(children: list[Child], grace: float = 10.0) -> int:
     for c in children:
         c.stop(grace=max(0.0, deadline - time.monotonic()))
     return len(running)
-
-
-def die_with_parent() -> None:
-    """First thing in a child process: get SIGTERM when the process that started it dies, even by
-    SIGKILL (Linux). Asked for here, after exec, and not in a pre-exec hook: Python code run between
-    fork and exec in a launcher with threads (gloo, ZMQ) can deadlock on a lock another thread held at
-    the fork, and Popen then waits for that child forever."""
-    parent = os.environ.get("MESHRL_PARENT")
-    if parent is None:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):  # the parent died before we could ask
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def signal_group(pid: int, sig: int) -> None:

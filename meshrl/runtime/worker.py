@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshrl.lifetime import die_with_parent
 from meshrl.planning.recipe import load_recipe, service_class
 from meshrl.planning.topology import Device, plan
-from meshrl.runtime.supervise import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshrl.runtime.supervise import Child, die_with_parent, signal_group, sweep
+from meshrl.lifetime import die_with_parent
+from meshrl.runtime.supervise import Child, signal_group, sweep
 
 GRACE_S = 10.0  # SIGTERM to SIGKILL, for children still running when the zygote ends
 

@@ -156,7 +156,7 @@ async def take_part(
     if given, is awaited first (unpaused): a service that trails the trainer catches up to the step."""
     import torch
 
-    from meshrl.runtime.service import WATCH_S
+    from meshrl.dataplane.aio import WATCH_S  # (the launcher imports this module: no torch at the top)
 
     while True:
         batch = await client.claim(CHECKPOINT, name, [STEP], 16, timeout=WATCH_S)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshrl.models.hub import local, resolve_models
+from meshrl.models.hub import local
+from meshrl.planning.models import resolve_models
 from meshrl.planning.recipe import read_recipe
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "grpo_arith.py"

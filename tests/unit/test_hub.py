@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from meshrl.models.hub import local, resolve_models
+from meshrl.models.hub import local
 from meshrl.planning import prepare
 from meshrl.planning.config import RecipeError
+from meshrl.planning.models import resolve_models
 from meshrl.planning.recipe import read_recipe
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "grpo_arith.py"

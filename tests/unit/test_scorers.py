@@ -112,7 +112,7 @@ def test_teacher_with_another_vocabulary_fails_at_start_up(tiny_model, tmp_path)
 
 def test_a_restarted_scorer_keeps_rows_its_predecessor_wrote(plane):
     from meshrl.dataplane import Client
-    from meshrl.roles.scorer import put_missing
+    from meshrl.dataplane.missing import put_missing
 
     with Client(plane.controller) as c:
         c.create_partition("rows", 16)
@@ -143,7 +143,7 @@ def test_rows_a_checkpoint_caught_between_put_and_ack_are_kept_or_skipped_once_r
     import asyncio
 
     from meshrl.dataplane import AsyncClient, Client
-    from meshrl.roles.scorer import put_missing, put_missing_async
+    from meshrl.dataplane.missing import put_missing, put_missing_async
     from tests.conftest import start_plane, stop_plane
 
     snap = tmp_path / "checkpoint"

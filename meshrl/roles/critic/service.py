@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.dataplane.missing import put_missing_async
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.packing import pack
 from meshrl.observe.metrics import JsonlSink, merged
 from meshrl.roles.critic.config import CriticConfig
-from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.schema import GROUP, MEMBER, MIN_VERSION, PROMPT, RESPONSE, RETURNS, VALID, VALUES
 from meshrl.state import checkpoint as ckpt

@@ -48,8 +48,16 @@ from meshrl.schema import (
     TASK,
     TOKEN_VERSIONS,
     TRAJ_LOGPROBS,
+    TURN,
     VERSION,
 )
+
+# the environment's own keys in its turn rows' metadata (besides schema's CARRIED and TURN)
+TRAJ, STARTED, ENV_S, STATE = "traj", "t0", "env_s", "state"
+"""The trajectory's id (its start row), its start time, its seconds in the environment so far, the
+environment's JSON state."""
+PROMPT_LEN, GEN_S_TOTAL = "prompt_len", "gen_s_total"
+"""How many of the turn row's tokens are the first context; its seconds generating so far."""
 
 SAMPLE_DTYPES = {
     PROMPT: torch.int64, RESPONSE: torch.int64, LOGPROBS: torch.float32, LOSS_MASK: torch.int8,
@@ -179,18 +187,18 @@ class EnvService(Service):
         """A trajectory start: reset, then its first turn row (or, if reset failed, its sample)."""
         row = (batch.meta or [{}])[i] or {}
         meta = {k: row.get(k) for k in CARRIED}
-        meta["traj"] = int(batch.ids[i])
-        meta["t0"] = t0 = time.time()
+        meta[TRAJ] = int(batch.ids[i])
+        meta[STARTED] = t0 = time.time()
         self.span = self.span or [t0, t0]
         out = await start(self.env, self.renderer, json.loads(str(row.get(TASK) or "{}")), self.limits)
-        meta["env_s"] = time.time() - t0
+        meta[ENV_S] = time.time() - t0
         self.counts["started"] += 1
         await (self.finish(client, out, meta, 0) if out.done else self.write_turn(client, out, meta))
 
     async def turn(self, client: AsyncClient, batch: Batch, i: int) -> None:
         """A generated turn: append it, step the environment, write the next turn or the sample."""
         meta = dict((batch.meta or [{}])[i] or {})
-        out = Outcome(_trajectory(batch, i, meta), json.loads(str(meta.pop("state"))))
+        out = Outcome(_trajectory(batch, i, meta), json.loads(str(meta.pop(STATE))))
         out.trajectory.gen_s += float(batch.tensor(GEN_S)[i])
         first, last = batch.tensor(VERSION)[i].tolist()
         response = batch.ragged(RESPONSE)[i].tolist()
@@ -199,7 +207,7 @@ class EnvService(Service):
         out = await advance(
             self.env, self.renderer, self.parser, out, response, logprobs, int(last), self.limits
         )
-        meta["env_s"] = float(meta.get("env_s") or 0.0) + time.time() - t0
+        meta[ENV_S] = float(meta.get(ENV_S) or 0.0) + time.time() - t0
         self.counts["turns"] += 1
         if first != last:  # interrupted by a weight update: record the first version of the turn
             out.trajectory.versions[-len(response) :] = [int(first)] * len(response)
@@ -214,8 +222,8 @@ class EnvService(Service):
             TRAJ_LOGPROBS: [torch.tensor([0.0] * traj.prompt_len + traj.logprobs, dtype=torch.float32)],
             TOKEN_VERSIONS: [torch.tensor([-1] * traj.prompt_len + traj.versions, dtype=torch.int64)],
         }
-        row = {**meta, "turn": traj.turns, "prompt_len": traj.prompt_len, "gen_s_total": traj.gen_s,
-               "state": json.dumps(out.state)}  # fmt: skip
+        row = {**meta, TURN: traj.turns, PROMPT_LEN: traj.prompt_len, GEN_S_TOTAL: traj.gen_s,
+               STATE: json.dumps(out.state)}  # fmt: skip
         await client.put(
             self.ctx.wiring.partition("turns"),
             columns,
@@ -240,13 +248,13 @@ class EnvService(Service):
         columns[ENV_REWARD] = torch.tensor([out.reward], dtype=torch.float32)
         row = {**{k: meta.get(k) for k in CARRIED}, "turns": traj.turns, "truncated": out.truncated,
                "failed": out.failed is not None}  # fmt: skip
-        self.count(out, int(meta["traj"]))
+        self.count(out, int(meta[TRAJ]))
         now = time.time()
-        if "t0" in meta:
-            self.times["life_s"] += now - float(meta["t0"])
+        if STARTED in meta:
+            self.times["life_s"] += now - float(meta[STARTED])
             self.times["gen_s"] += traj.gen_s
-            self.times["env_s"] += float(meta.get("env_s") or 0.0)
-            self.span = [self.span[0] if self.span else float(meta["t0"]), now]
+            self.times["env_s"] += float(meta.get(ENV_S) or 0.0)
+            self.span = [self.span[0] if self.span else float(meta[STARTED]), now]
         await client.put(
             self.ctx.wiring.partition("samples"),
             columns,
@@ -283,7 +291,7 @@ class EnvService(Service):
 
 def _trajectory(batch: Batch, i: int, meta: dict[str, Any]) -> Trajectory:
     """The trajectory recorded in turn row `i` (its ids so far and their history)."""
-    n = int(meta.pop("prompt_len"))
+    n = int(meta.pop(PROMPT_LEN))
     ids = batch.ragged(PROMPT)[i].tolist()
     return Trajectory(
         ids=ids,
@@ -291,6 +299,6 @@ def _trajectory(batch: Batch, i: int, meta: dict[str, Any]) -> Trajectory:
         mask=batch.ragged(LOSS_MASK)[i][n:].tolist(),
         logprobs=batch.ragged(TRAJ_LOGPROBS)[i][n:].tolist(),
         versions=batch.ragged(TOKEN_VERSIONS)[i][n:].tolist(),
-        turns=int(meta.pop("turn")),
-        gen_s=float(meta.pop("gen_s_total", 0.0)),
+        turns=int(meta.pop(TURN)),
+        gen_s=float(meta.pop(GEN_S_TOTAL, 0.0)),
     )

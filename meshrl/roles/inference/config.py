@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from meshrl.engines.settings import SGLangSettings, SimGeneration, VLLMSettings
+from meshrl.engines.settings import INSTALL, SGLangSettings, SimGeneration, VLLMSettings, installed
 from meshrl.models.hub import missing
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
@@ -87,12 +87,10 @@ class InferenceConfig(ServiceConfig):
         if not Path(self.model).exists():
             problems.append(missing(self.model))
         if self.engine in ("vllm", "sglang"):
-            from meshrl.engines import sglang, vllm
-
-            module, name = (vllm, "vLLM") if self.engine == "vllm" else (sglang, "SGLang")
-            if not module.available():
+            name = "vLLM" if self.engine == "vllm" else "SGLang"
+            if not installed(self.engine):
                 problems.append(
-                    f"engine: {self.engine!r} needs {name}, which is not installed: {module.INSTALL}"
+                    f"engine: {self.engine!r} needs {name}, which is not installed: {INSTALL[self.engine]}"
                 )
             if (self.top_k or self.top_p < 1) and recipe.temperature > 0:
                 problems.append(

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.dataplane.missing import put_missing_async
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.inference.engine import build_engine, row_seed
 from meshrl.roles.inference.receive import Receiver
-from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.runtime.weights import WeightGroup

@@ -25,13 +25,13 @@ from meshrl.algorithms import advantages as adv
 from meshrl.algorithms import filters
 from meshrl.algorithms.losses import AdaptiveKL, kl
 from meshrl.dataplane import AsyncClient, Batch, Ragged
+from meshrl.dataplane.missing import put_missing_async
 from meshrl.observe.metrics import Metrics, Sink
 from meshrl.planning.recipe import Recipe
 from meshrl.planning.wiring import Claim
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.reward_functions import RewardFunction, Scored, completions, score
 from meshrl.roles.rollout.state import RolloutState
-from meshrl.roles.scorer import put_missing_async
 from meshrl.runtime.service import WATCH_S
 from meshrl.schema import (
     ADVANTAGE,

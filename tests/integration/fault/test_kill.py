@@ -163,9 +163,11 @@ def test_a_port_in_use_names_the_service_and_the_port(tmp_path, arith_model):
              f"run_dir={tmp_path / 'run'}", "total_steps=2"],
             cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
         )  # fmt: skip
-    assert r.returncode != 0
-    message = rf"{trainer.name}: cannot bind its health endpoint 127\.0\.0\.1:{trainer.ports[HEALTH]}"
+    # found before anything starts: one line naming the port, what it is for and who holds it
+    assert r.returncode == 2
+    message = rf"base_port: port {trainer.ports[HEALTH]} \({trainer.name}'s health endpoint\) is in use by pid {os.getpid()}"
     assert re.search(message, r.stderr), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "run" / "logs" / f"{trainer.name}.log").exists()
 
 
 @pytest.mark.parametrize("variant", ["sync", "async-dapo"])

@@ -65,3 +65,36 @@ def test_meshrl_run_imports_neither_torch_nor_transformers(tmp_path, tiny_model)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "service processes ready in" in r.stdout
     assert json.loads(heavy.read_text()) == []
+
+
+# what a launcher does before it starts anything, for every shipped recipe: load, override, plan
+PLAN_ALL = """
+import json, sys
+from pathlib import Path
+from meshrl.planning import prepare
+from meshrl.planning.config import RecipeError
+planned, refused = [], []
+for path in sorted(Path(sys.argv[2]).glob("*.py")):
+    try:
+        prepare(path, [] if path.stem == "counter" else [f"*.model={sys.argv[3]}"])
+        planned.append(path.stem)
+    except RecipeError as e:  # vLLM's recipe without vLLM: refused at start-up, still torch-free
+        refused.append(path.stem)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+Path(sys.argv[1]).write_text(json.dumps({"planned": planned, "refused": refused, "heavy": heavy}))
+"""
+
+
+def test_every_shipped_recipe_plans_without_torch_or_transformers(tmp_path, tiny_model):
+    """A launcher plans every recipe, agents' and distillation's included (environments and tokenizers are
+    checked at planning), without importing torch or transformers: start-up stays fast."""
+    out = tmp_path / "plan.json"
+    r = subprocess.run(
+        [sys.executable, "-c", PLAN_ALL, str(out), str(REPO / "recipes"), str(tiny_model)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert len(report["planned"]) >= 20 and set(report["refused"]) <= {"grpo_arith_vllm"}, report
+    assert {"agent_calc", "opd_arith", "ppo_rm", "counter"} <= set(report["planned"])
+    assert report["heavy"] == []

@@ -47,10 +47,10 @@ def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_mo
 def test_lora_adapters_alone_reach_vllm_and_its_logprobs_match_the_trainer(tmp_path, arith_model):
     """A trainer of LoRA adapters publishes only them (PEFT's names); vLLM loads each version as an adapter
     in place of the last, and samples and scores with it as the trainer computes with its PEFT model."""
+    from meshrl.engines.settings import LoraConfig
     from meshrl.engines.vllm import VLLMEngine
-    from meshrl.roles.trainer.config import Lora
 
-    lora = Lora(rank=4, alpha=16.0)
+    lora = LoraConfig(rank=4, alpha=16.0)
     engine = VLLMEngine(
         str(arith_model), max_batch_size=32, threads=1, work_dir=str(tmp_path / "vllm"), adapters=lora
     )
