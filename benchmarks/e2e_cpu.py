@@ -9,6 +9,8 @@
     python benchmarks/e2e_cpu.py --sinks --json            # every tracker on (TensorBoard, W&B offline,
                                                            # MLflow), and the run with none as baseline
     python benchmarks/e2e_cpu.py --recipe grpo_smollm --steps 10 --json   # a real model (SmolLM2-135M)
+    python benchmarks/e2e_cpu.py --eval-cost --json        # evaluating every 5 versions vs never, same run
+    python benchmarks/e2e_cpu.py --recipe grpo_smollm --async-vs-sync --json   # grpo_smollm_async vs it
 
 Builds the tiny model and its supervised warm start (as `make run` does; for a recipe with a teacher,
 also the teacher: a longer supervised run of `--teacher-sft-steps`), or for a recipe on a real model
@@ -31,6 +33,13 @@ metrics.jsonl. Steady state excludes the first `--warmup` steps.
   evaluation (eval.jsonl);
 - value_loss_first10 / _last10 (a critic service or a trainer value head), explained_variance_first10 /
   _last10 (value head).
+
+With `--eval-cost` the recipe runs twice in the invocation, evaluating every 5 versions and never:
+step_s_eval_every_5, step_s_no_eval (medians) and eval_step_ratio, their ratio (an evaluation off the
+critical path costs ~nothing in lock-step: inference generates it while the trainer trains). With
+`--async-vs-sync` (a recipe with an `_async` variant) both run: sync_median_step_s,
+async_median_step_s, async_speedup (sync / async seconds per step), and each run's held-out greedy
+accuracy gain (sync_heldout_gain, async_heldout_gain: after - before).
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Pa
     return root / "sft", root / "teacher"
 
 
-REAL_MODELS = {"grpo_smollm": "smollm2-135m"}
+REAL_MODELS = {"grpo_smollm": "smollm2-135m", "grpo_smollm_async": "smollm2-135m"}
 """Recipes that train a real pretrained model instead of the tiny one: the `meshrl models` name."""
 
 
@@ -177,13 +186,18 @@ def run(
 
 
 def heldout_figures(run_dir: Path) -> dict[str, object]:
-    """Greedy and sampled held-out accuracy at the run's first and last evaluation."""
+    """Greedy and sampled held-out accuracy (and reward) at the run's first and last evaluation."""
     path = run_dir / "eval.jsonl"
     evals = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
     if not evals:
         return {}
-    return {f"heldout_{kind}_{when}": round(e[f"{kind}_accuracy"], 4)
-            for when, e in (("before", evals[0]), ("after", evals[-1])) for kind in ("greedy", "sampled")}  # fmt: skip
+    out: dict[str, object] = {}
+    for when, e in (("before", evals[0]), ("after", evals[-1])):
+        for kind in ("greedy", "sampled"):
+            if f"{kind}_accuracy" in e:  # by the recipe's correctness check
+                out[f"heldout_{kind}_{when}"] = round(e[f"{kind}_accuracy"], 4)
+            out[f"heldout_{kind}_reward_{when}"] = round(e[f"{kind}_reward"], 4)
+    return out
 
 
 def critic_figures(run_dir: Path, warmup: int) -> dict[str, object]:
@@ -237,6 +251,8 @@ def main() -> None:
     ap.add_argument("--teacher-sft-steps", type=int, default=200, help="for recipes with a teacher")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
     ap.add_argument("--sinks", action="store_true", help="every experiment tracker on; baseline: none")
+    ap.add_argument("--eval-cost", action="store_true", help="eval_every=5 vs no evaluation, same invocation")
+    ap.add_argument("--async-vs-sync", action="store_true", help="the recipe's _async variant vs the recipe")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshrl-e2e-") as tmp:
         root = Path(tmp)
@@ -265,6 +281,34 @@ def main() -> None:
             result["sinks_overhead_delta"] = round(
                 float(result["overhead_fraction"]) - float(base["overhead_fraction"]), 4
             )  # type: ignore[arg-type]
+        if args.eval_cost:  # evaluating every 5 versions vs never, in this same invocation
+            quiet = run(argparse.Namespace(**{**vars(args), "set": [*args.set, "rollout.eval_every=0"]}), model,
+                        root / "work" / "quiet", teacher)  # fmt: skip
+            every = run(argparse.Namespace(**{**vars(args), "set": [*args.set, "rollout.eval_every=5"]}), model,
+                        root / "work" / "every5", teacher)  # fmt: skip
+            result["step_s_no_eval"], result["step_s_eval_every_5"] = (
+                quiet["median_step_s"],
+                every["median_step_s"],
+            )
+            result["eval_step_ratio"] = round(
+                float(every["median_step_s"]) / float(quiet["median_step_s"]), 3
+            )  # type: ignore[arg-type]
+        if args.async_vs_sync:  # the recipe's bounded-async variant, in this same invocation
+            fast = run(argparse.Namespace(**{**vars(args), "recipe": f"{args.recipe}_async"}), model,
+                       root / "work" / "async", teacher)  # fmt: skip
+            result["sync_median_step_s"], result["async_median_step_s"] = (
+                result["median_step_s"],
+                fast["median_step_s"],
+            )
+            result["async_speedup"] = round(float(result["median_step_s"]) / float(fast["median_step_s"]), 3)  # type: ignore[arg-type]
+            for name, r in (("sync", result), ("async", fast)):
+                if "heldout_greedy_after" in r:
+                    result[f"{name}_heldout_gain"] = round(
+                        float(r["heldout_greedy_after"]) - float(r["heldout_greedy_before"]), 4
+                    )  # type: ignore[arg-type]
+            result["async"] = {
+                k: fast[k] for k in ("samples_per_s", "median_step_s", "reward_first10", "reward_last10")
+            }
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

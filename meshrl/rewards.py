@@ -8,13 +8,28 @@
   `<answer>...</answer>`, else the text after the last "Answer:", else the last `\\boxed{}` or number.
 - `answer_format`: 1.0 when the completion states its answer in one of those explicit forms, else
   0.0: a small weight on it keeps the answer tag from being trained away.
+
+`in_process` marks a function to run in a worker process instead of a thread (see
+meshrl/roles/rollout/reward_functions.py).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_process(fn: F) -> F:
+    """Mark a reward function to run in a worker process rather than on a thread (CPU-bound Python that
+    would hold the GIL, or code that needs a main thread: signal-based time limits). It must be a
+    module-level function (the worker imports it by name) taking and returning plain values."""
+    fn.meshrl_in_process = True  # type: ignore[attr-defined]
+    return fn
+
 
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _LINE = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
@@ -39,8 +54,10 @@ def final_answer(text: str) -> str:
     return text
 
 
+@in_process
 def math_answer(prompts: list[Any], completions: list[Any], **columns: Any) -> list[float | None]:
-    """Whether each completion's final answer equals its row's `answer` (math-verify's equality)."""
+    """Whether each completion's final answer equals its row's `answer` (math-verify's equality). It runs
+    in a worker process, whose main thread gives math-verify its time limits."""
     from math_verify import parse, verify
 
     # math-verify's time limits use SIGALRM, which only the main thread may set: off it, none

@@ -47,6 +47,7 @@ def recipe() -> Recipe:
                     eval_size=32,
                     system_prompt=SYSTEM,
                     rewards={"meshrl.rewards:math_answer": 1.0, "meshrl.rewards:answer_format": 0.2},
+                    correctness="meshrl.rewards:math_answer",
                     max_prompt_len=256,
                     window=1,
                     eval_every=0,

@@ -7,7 +7,9 @@ It measures what a run's evaluation measures, with the same pieces: rollout's da
 encoding and reward functions (`roles/rollout/`), the inference engine the recipe names, built the way
 the inference service builds it, greedy and `rollout.eval_samples` sampled completions per prompt at
 the recipe's temperature with the seeds of a run's version-0 evaluation, and evaluation's `summarize`.
-It prints one JSON object: greedy / sampled accuracy, pass@k, each reward function's mean, timing.
+It prints one JSON object: greedy / sampled reward (the mean reward trained on), greedy / sampled
+accuracy and pass@k (by the recipe's correctness check, `rollout.correctness`), each reward function's
+mean, timing.
 """
 
 from __future__ import annotations
@@ -91,8 +93,12 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     completions = generate(engine, inference, recipe, prompts, meta)
     gen_s = time.perf_counter() - t0
     batch = Batch(EVAL, "eval", 0, np.arange(len(meta)), [*meta], {RESPONSE: Ragged.from_list(completions)})
-    rewards = Rewards(tokenizer, reward_functions.load(rollout.rewards), rollout.prompt_field)
-    summary = summarize(asyncio.run(results(rewards, batch, rows)))
+    workers = reward_functions.Workers(rollout.reward_threads, rollout.reward_timeout_s)
+    rewards = Rewards(tokenizer, reward_functions.load(rollout.rewards), rollout.prompt_field, workers)
+    try:
+        summary = summarize(asyncio.run(results(rewards, batch, rows)), rollout.correctness_name)
+    finally:
+        rewards.close()
     return {"model": inference.model, "dataset": rollout.eval_dataset or rollout.dataset, **summary,
             "engine": inference.engine, "generate_s": round(gen_s, 3)}  # fmt: skip
 

@@ -23,6 +23,8 @@ class ModelFacts:
     eos: list[int]
     listing: Listing
     """(name, shape, dtype) of every parameter, as the trainer names them (`InferenceEngine.parameters`)."""
+    max_positions: int = 0
+    """The longest sequence the model takes (its config's max_position_embeddings; 0: not given)."""
 
     @classmethod
     def of(cls, model_path: str) -> ModelFacts:
@@ -41,6 +43,7 @@ class ModelFacts:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             eos=_eos_ids(model_path, config),
             listing=listing,
+            max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
         )
 
     def checked(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -108,7 +108,17 @@ class VLLMEngine(InferenceEngine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
         from vllm import LLM
 
-        gpu = {"gpu_memory_utilization": gpu_memory_fraction} if device.startswith("cuda") else {}
+        if device.startswith("cuda"):
+            platform: dict[str, Any] = {"gpu_memory_utilization": gpu_memory_fraction}
+        else:
+            # Whole prompts only: a prompt cut over two engine steps has its first sampled token thrown
+            # away, and vLLM then rewinds the request's generator, which only CUDA generators can do
+            # (a seeded request on CPU would fail). Prompts that do not fit a step wait for the next.
+            longest = max_model_len or self.facts.max_positions
+            platform = {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(longest, 2048, max_batch_size),
+            }
         self.adapters = adapters if adapters is not None and adapters.rank > 0 else None
         lora: dict[str, Any] = {}
         if self.adapters is not None:
@@ -130,7 +140,7 @@ class VLLMEngine(InferenceEngine):
             logprobs_mode="processed_logprobs",
             seed=seed,
             worker_extension_cls="meshrl.engines.vllm_worker.WeightReceiver",
-            **gpu,
+            **platform,
             **lora,
         )
         self.rpc = threading.Lock()  # one caller of vLLM's engine client at a time

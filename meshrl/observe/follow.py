@@ -38,6 +38,22 @@ SOURCES = {
 """Files of scalar rows and the prefix of their names in a tracker (train/reward_mean, ...)."""
 SAMPLES = "samples.jsonl"
 PROBE_S = 5.0
+PHASES_S = 5.0
+"""How often the services' phases are asked for (their health endpoints, on this host)."""
+
+
+NO_SIGNAL_STEPS = 3
+"""Steps in a row in which no group's rewards differ before a run says it learns nothing."""
+
+
+def no_signal_advice(steps: int) -> str:
+    """What a run whose groups' rewards have all agreed for `steps` steps is told (the trainer's log and
+    the progress line say the same)."""
+    return (
+        f"no reward variance for {steps} steps: every group's completions got the same reward, so no "
+        "advantage and nothing to learn; try a warm start or an easier task (accuracy near 0), more "
+        "completions per prompt (group_size), a higher temperature, or rollout.dynamic_sampling=true"
+    )
 
 
 def is_signal(partition: str) -> bool:
@@ -109,10 +125,13 @@ class Follower:
         trackers: list[Tracker],
         progress: Progress | None,
         probe: Callable[[], dict[str, float]] | None = None,
+        phases: Callable[[], dict[str, tuple[str, float]]] | None = None,
     ) -> None:
         """`probe`: scalars of the live run (the data plane's backlog), sent to the trackers every
-        PROBE_S seconds at the latest step the trainer reported."""
+        PROBE_S seconds at the latest step the trainer reported. `phases`: what each service is doing and
+        for how long (their health endpoints), for the progress line."""
         self.run_dir, self.trackers, self.progress, self.probe = run_dir, trackers, progress, probe
+        self.phases, self.phased = phases, 0.0
         self.probed = 0.0
         self.tails = {name: Tail(run_dir / name) for name in [*SOURCES, SAMPLES]}
         self.sent = Ids(run_dir / "trackers.json")
@@ -128,12 +147,24 @@ class Follower:
         log_cfg: Any,
         total_steps: int,
         probe: Callable[[], dict[str, float]] | None = None,
+        phases: Callable[[], dict[str, tuple[str, float]]] | None = None,
     ) -> Follower:
         trackers = open_trackers(log_cfg, run_dir, config)
-        return cls(run_dir, trackers, Progress(total_steps), probe if trackers else None)
+        return cls(run_dir, trackers, Progress(total_steps), probe if trackers else None, phases)
 
     def poll(self) -> None:
         self._read_files()
+        if (
+            self.progress is not None
+            and self.phases is not None
+            and time.monotonic() - self.phased >= PHASES_S
+        ):
+            self.phased = time.monotonic()
+            try:
+                self.progress.tick(self.phases())
+            except Exception as e:  # the line goes on without the phases
+                log.warning("no service phases for the progress line: %s", e)
+                self.phases = None
         if self.probe is not None and time.monotonic() - self.probed >= PROBE_S:
             self.probed = time.monotonic()
             try:
@@ -189,33 +220,64 @@ class Follower:
 
 
 class Progress:
-    """Training progress from the trainer's metrics rows: on a terminal one line redrawn in place (step /
-    total, reward, samples/s, time left); otherwise (CI, a log file) a plain line every 10 steps."""
+    """Training progress from the trainer's metrics rows and the services' phases: on a terminal one line
+    redrawn in place; otherwise (CI, a log file) a plain line every 10 steps and at least every
+    `every_s` seconds. Each says the step, reward, loss, samples/s and time left (from the median
+    step), what each service is doing and for how long, and, when no group's rewards have differed for
+    a few steps, that the run learns nothing and what to try."""
 
-    def __init__(self, total: int, out: TextIO | None = None) -> None:
-        self.total = total
+    def __init__(self, total: int, out: TextIO | None = None, every_s: float = 30.0) -> None:
+        self.total, self.every_s = total, every_s
         self.out = out or sys.stderr
         self.tty = self.out.isatty()
         self.steps_s: deque[float] = deque(maxlen=10)
         self.drawn = False
+        self.row: dict[str, Any] | None = None
+        self.services: dict[str, tuple[str, float]] = {}
+        self.quiet = 0  # steps in a row without reward variance
+        self.shown = time.monotonic()
 
     def update(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             self.steps_s.append(float(row.get("time/step_s", 0.0)))
+            self.quiet = self.quiet + 1 if float(row.get("no_signal_fraction", 0.0)) >= 0.999 else 0
+            self.row = row
             done = int(row["step"]) + 1
             if self.tty or done % 10 == 0 or done == self.total:
-                self._show(done, row)
+                self._show()
 
-    def _show(self, done: int, row: dict[str, Any]) -> None:
-        step_s = sorted(self.steps_s)[len(self.steps_s) // 2] if self.steps_s else 0.0  # the median
-        left = _duration(step_s * (self.total - done))
-        text = (f"step {done}/{self.total}  reward {row.get('reward_mean', 0.0):.3f}  loss "
-                f"{row.get('loss', 0.0):.4f}  {row.get('samples_per_s', 0.0):.1f} samples/s  ETA {left}")  # fmt: skip
+    def tick(self, services: dict[str, tuple[str, float]]) -> None:
+        """The services' phases now: redrawn on a terminal, a line when `every_s` passed without one."""
+        self.services = services
+        if self.tty or time.monotonic() - self.shown >= self.every_s:
+            self._show()
+
+    def line(self) -> str:
+        row, done = self.row or {}, int((self.row or {}).get("step", -1)) + 1
+        if self.steps_s:
+            step_s = sorted(self.steps_s)[len(self.steps_s) // 2]  # the median
+            eta = f"ETA {_duration(step_s * (self.total - done))}"
+        else:
+            eta = "ETA after the first step"
+        text = f"step {done}/{self.total}  {eta}"
+        if row:
+            text += (f"  reward {row.get('reward_mean', 0.0):.3f}  loss {row.get('loss', 0.0):.4f}  "
+                     f"{row.get('samples_per_s', 0.0):.1f} samples/s")  # fmt: skip
+        if self.services:
+            text += "  |  " + "; ".join(
+                f"{name}: {phase} ({_duration(s)})" for name, (phase, s) in self.services.items()
+            )
+        if self.quiet >= NO_SIGNAL_STEPS:
+            text += f"  |  ! {no_signal_advice(self.quiet)}"
+        return text
+
+    def _show(self) -> None:
+        self.shown = time.monotonic()
         if self.tty:
-            self.out.write(f"\r\x1b[K[meshrl] {text}")
+            self.out.write(f"\r\x1b[K[meshrl] {self.line()}")
             self.drawn = True
         else:
-            self.out.write(f"[meshrl] {text}\n")
+            self.out.write(f"[meshrl] {self.line()}\n")
         self.out.flush()
 
     def close(self) -> None:

@@ -103,8 +103,13 @@ CATALOGUE: dict[str, Metric] = {
         M, "inference's throughput: the step's response tokens per second of its generation batches"
     ),
     # evaluation (rollout, eval.jsonl)
-    "greedy_accuracy": Metric(M, "mean reward of greedy completions of the held-out prompts"),
-    "sampled_accuracy": Metric(M, "mean reward of sampled completions of the held-out prompts"),
+    "greedy_reward": Metric(M, "mean reward of greedy completions of the held-out prompts"),
+    "sampled_reward": Metric(M, "mean reward of sampled completions of the held-out prompts"),
+    "greedy_accuracy": Metric(
+        M, "share of greedy completions the correctness check accepts (rollout.correctness)"
+    ),
+    "sampled_accuracy": Metric(M, "share of sampled completions the correctness check accepts"),
+    "pass@{k}": Metric(M, "share of held-out prompts with at least one correct completion of k sampled"),
     "prompts": Metric(S, "held-out prompts evaluated"),
     # reward functions (rollout: rewards.jsonl per step's worth of scored samples, and eval.jsonl)
     "reward/{function}": Metric(
@@ -113,7 +118,7 @@ CATALOGUE: dict[str, Metric] = {
 }
 
 _FAMILIES = [
-    (re.compile("^" + re.sub(r"\\\{[a-z]+\\\}", "[A-Za-z_][A-Za-z0-9_]*", re.escape(name)) + "$"), metric)
+    (re.compile("^" + re.sub(r"\\\{[a-z]+\\\}", "[A-Za-z0-9_]+", re.escape(name)) + "$"), metric)
     for name, metric in CATALOGUE.items()
     if "{" in name
 ]

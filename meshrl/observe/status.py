@@ -139,7 +139,7 @@ def _peek(client: Client, part: str, column: str, n: int) -> list[tuple[int, lis
 
 def render(status: dict[str, Any]) -> str:
     lines = [f"run {status['run_dir']}", ""]
-    lines.append(f"{'SERVICE':<22}{'STATE':<10}{'UPTIME':>9}  {'PID':>7}  INFO")
+    lines.append(f"{'SERVICE':<22}{'STATE':<10}{'UPTIME':>9}  {'PID':>7}  PHASE (FOR)  |  INFO")
     versions = []
     for s in status["services"]:
         h = dict(s["health"])
@@ -147,10 +147,11 @@ def render(status: dict[str, Any]) -> str:
         pid = str(h.pop("pid", "-"))
         h.pop("service", None)
         h.pop("state", None)
+        phase = f"{h.pop('phase')} ({h.pop('phase_s', 0):.0f}s)" if "phase" in h else "-"
         if "version" in h:
             versions.append(h["version"])
         info = " ".join(f"{k}={v}" for k, v in h.items())
-        lines.append(f"{s['name']:<22}{s['state']:<10}{uptime:>9}  {pid:>7}  {info}")
+        lines.append(f"{s['name']:<22}{s['state']:<10}{uptime:>9}  {pid:>7}  {phase}  |  {info}")
     plane = status["dataplane"]
     lines.append("")
     if "error" in plane:

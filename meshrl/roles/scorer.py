@@ -89,9 +89,11 @@ class ScorerService(Service):
         try:
             for batch in stream:
                 if not batch:
+                    self.phase(f"waiting for rows to score ({self.scored} scored)")
                     if self.finished():
                         return
                     continue
+                self.phase(f"scoring {len(batch)} rows")
                 with torch.no_grad(), self.device_turn():
                     columns = self.score(batch)
                 self.write(batch, columns)

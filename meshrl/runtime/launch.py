@@ -32,6 +32,7 @@ from typing import Any
 from meshrl.dataplane.rpc_client import Wire
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.observe.follow import Follower, backlog
+from meshrl.observe.status import health
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
 from meshrl.planning.wiring import partitions
@@ -280,7 +281,7 @@ class Launcher:
                 return backlog(plane.call(plane.P.Status()))
 
             follower = Follower.for_run(
-                self.run_dir, config, self.recipe.log, self.recipe.total_steps, probe
+                self.run_dir, config, self.recipe.log, self.recipe.total_steps, probe, self._phases
             ).start()
         try:
             while running:
@@ -301,6 +302,15 @@ class Launcher:
                 with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                     plane.close()
         return 0
+
+    def _phases(self) -> dict[str, tuple[str, float]]:
+        """What each service process of this launcher is doing and for how long (its health endpoint)."""
+        out = {}
+        for child in self.children:
+            h = health(self.processes[child.name].ports[HEALTH]) if child.name in self.processes else None
+            if h and "phase" in h:
+                out[child.name] = (str(h["phase"]), float(h.get("phase_s", 0.0)))
+        return out
 
     def _rejoin(self, child: Child) -> bool:
         """Restart a failed process on its own, if its service re-joins a running run and its group's

@@ -90,13 +90,23 @@ class Health:
     state: str = "starting"
     started: float = field(default_factory=time.time)
     info: dict[str, Any] = field(default_factory=dict)
+    phase: str = "setting up"
+    """What the service is doing now ("generating 64 rows", "training mini-batch 2/4", ...)."""
+    phase_since: float = field(default_factory=time.time)
+
+    def set_phase(self, text: str) -> None:
+        if text != self.phase:
+            self.phase, self.phase_since = text, time.time()
 
     def snapshot(self) -> dict[str, Any]:
+        now = time.time()
         return {
             "service": self.service,
             "state": self.state,
             "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started, 1),
+            "uptime_s": round(now - self.started, 1),
+            "phase": self.phase,
+            "phase_s": round(now - self.phase_since, 1),
             **self.info,
         }
 
@@ -145,6 +155,11 @@ class Service:
 
     def setup(self) -> None:
         """Load models, connect, declare what this service consumes. Runs before the service is ready."""
+
+    def phase(self, text: str) -> None:
+        """Say what the service is doing now: its health endpoint reports it with how long it has been
+        at it (`meshrl status`, the dashboard, the launcher's progress line)."""
+        self.ctx.health.set_phase(text)
 
     def run(self) -> None:
         raise NotImplementedError

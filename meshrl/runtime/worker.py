@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         gc.freeze()
         for service in services:
             service.ctx.health.state = "running"
+            service.ctx.health.set_phase("running")
         if len(services) == 1:
             services[0].run()
         else:

@@ -90,11 +90,42 @@ def test_progress_is_one_line_on_a_terminal_and_every_tenth_step_elsewhere():
         progress.update(rows)
         progress.close()
     assert tty.getvalue().count("\r\x1b[K") == 20 and tty.getvalue().endswith("\n")
-    assert "step 20/40  reward 0.500  loss 0.2500  100.0 samples/s  ETA 0m40s" in tty.getvalue()
+    assert "step 20/40  ETA 0m40s  reward 0.500  loss 0.2500  100.0 samples/s" in tty.getvalue()
     assert log.getvalue().splitlines() == [
-        "[meshrl] step 10/40  reward 0.500  loss 0.2500  100.0 samples/s  ETA 1m00s",
-        "[meshrl] step 20/40  reward 0.500  loss 0.2500  100.0 samples/s  ETA 0m40s",
+        "[meshrl] step 10/40  ETA 1m00s  reward 0.500  loss 0.2500  100.0 samples/s",
+        "[meshrl] step 20/40  ETA 0m40s  reward 0.500  loss 0.2500  100.0 samples/s",
     ]
+
+
+def test_a_slow_run_says_what_each_service_is_doing_at_least_every_30_s(monkeypatch):
+    """Between steps (minutes each on a real model) the line comes every 30 s at the latest, with each
+    service's phase and how long it has been at it; before the first step it says so."""
+    clock = [1000.0]
+    monkeypatch.setattr("meshrl.observe.follow.time.monotonic", lambda: clock[0])
+    log = io.StringIO()
+    progress = Progress(30, log)
+    phases = {"trainer-0-1": ("waiting for mini-batch 1/2 of step 1 (generation, scoring)", 12.0),
+              "inference-0-0": ("generating 64 prompt rows with version 0", 12.0)}  # fmt: skip
+    progress.tick(phases)  # a second after the start: nothing yet
+    clock[0] += 31
+    progress.tick(phases)
+    clock[0] += 5
+    progress.tick(phases)  # 5 s later: not again
+    assert log.getvalue().splitlines() == [
+        "[meshrl] step 0/30  ETA after the first step  |  trainer-0-1: waiting for mini-batch 1/2 of step 1 "
+        "(generation, scoring) (0m12s); inference-0-0: generating 64 prompt rows with version 0 (0m12s)"
+    ]
+
+
+def test_a_run_without_reward_variance_says_so_with_what_to_try():
+    log = io.StringIO()
+    progress = Progress(30, log)
+    flat = [{"step": s, "reward_mean": 0.0, "loss": 0.0, "samples_per_s": 1.0, "time/step_s": 60.0,
+             "no_signal_fraction": 1.0} for s in range(10)]  # fmt: skip
+    progress.update(flat)
+    assert "no reward variance for 10 steps" in log.getvalue() and "group_size" in log.getvalue()
+    progress.update([{**flat[0], "step": 10, "no_signal_fraction": 0.5}])
+    assert "no reward variance" not in progress.line()
 
 
 def test_each_reward_functions_mean_joins_its_step_for_the_dashboard():

@@ -112,16 +112,104 @@ def test_builtin_math_answer_and_format_rewards():
     assert answer_format([None] * 5, chat) == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
-def test_eval_summary_has_accuracy_pass_at_k_and_each_function():
+def test_eval_summary_counts_accuracy_by_the_correctness_check_alone():
+    """A format bonus raises the reward, never the accuracy: accuracy is the share of completions the
+    correctness function accepts; pass@k counts prompts with a correct sampled completion."""
     results = [
-        (True, 1.0, 0, {"exact": 1.0}), (False, 0.0, 0, {}), (False, 1.0, 0, {}),
-        (True, 0.0, 1, {"exact": 0.0}), (False, 0.0, 1, {}), (False, 0.0, 1, {}),
+        (True, 1.2, 0, {"exact": 1.0, "fmt": 1.0}), (False, 0.2, 0, {"exact": 0.0, "fmt": 1.0}),
+        (False, 1.2, 0, {"exact": 1.0, "fmt": 1.0}),
+        (True, 0.2, 1, {"exact": 0.0, "fmt": 1.0}), (False, 0.2, 1, {"exact": 0.0, "fmt": 1.0}),
+        (False, 0.0, 1, {"exact": 0.0, "fmt": 0.0}),
     ]  # fmt: skip
-    s = summarize(results)
-    assert s == {
-        "greedy_accuracy": 0.5,
-        "sampled_accuracy": 0.25,
-        "prompts": 2,
-        "pass@2": 0.5,
-        "reward/exact": 0.5,
-    }
+    s = summarize(results, "exact")
+    assert s == pytest.approx({
+        "prompts": 2, "greedy_accuracy": 0.5, "sampled_accuracy": 0.25, "greedy_reward": 0.7,
+        "sampled_reward": 0.4, "pass@2": 0.5, "reward/exact": 0.5, "reward/fmt": 1.0,
+    })  # fmt: skip
+    # the same completions with every answer formatted and none right: the reward grows, accuracy is 0
+    formatted = [(g, 0.2, p, {"exact": 0.0, "fmt": 1.0}) for g, _, p, _ in results]
+    s = summarize(formatted, "exact")
+    assert (s["greedy_accuracy"], s["sampled_accuracy"], s["pass@2"]) == (0.0, 0.0, 0.0)
+    assert s["greedy_reward"] == pytest.approx(0.2)
+    assert "greedy_accuracy" not in summarize(results)  # no correctness check: rewards only
+
+
+def blocking(prompt, completion, row):
+    """Synchronous and slow (a judge over a blocking client, math-verify on a long answer)."""
+    time.sleep(0.3)
+    return 1.0
+
+
+def never_returns(prompt, completion, row):
+    time.sleep(30)
+
+
+async def ticking(seconds: float) -> int:
+    """How many 10 ms ticks the event loop gives a task in `seconds`."""
+    n, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        await asyncio.sleep(0.01)
+        n += 1
+    return n
+
+
+def test_synchronous_rewards_run_off_the_event_loop_concurrently():
+    functions = [rewards.RewardFunction("blocking", blocking, 1.0, False, "tests.unit.test_rewards:blocking")]
+
+    async def go():
+        workers = rewards.Workers(threads=4, timeout_s=10)
+        t0 = time.monotonic()
+        scored, ticks = await asyncio.gather(
+            rewards.score(functions, ["p"] * 4, ["c"] * 4, [{}] * 4, workers=workers), ticking(0.3)
+        )
+        workers.close()
+        return scored, ticks, time.monotonic() - t0
+
+    scored, ticks, elapsed = asyncio.run(go())
+    assert scored.total.tolist() == [1.0] * 4 and scored.valid.all()
+    assert elapsed < 0.9, elapsed  # 4 x 0.3 s on 4 threads, not one after another
+    assert ticks >= 10, ticks  # the loop kept turning meanwhile
+
+
+def test_a_reward_past_its_time_limit_fails_its_sample_with_the_reason():
+    functions = [
+        rewards.RewardFunction(
+            "never_returns", never_returns, 1.0, False, "tests.unit.test_rewards:never_returns"
+        ),
+        rewards.RewardFunction("blocking", blocking, 0.5, False, "tests.unit.test_rewards:blocking"),
+    ]
+
+    async def go():
+        workers = rewards.Workers(threads=4, timeout_s=0.5)
+        t0 = time.monotonic()
+        scored = await rewards.score(functions, ["p"], ["c"], [{}], workers=workers)
+        workers.close()
+        return scored, time.monotonic() - t0
+
+    scored, elapsed = asyncio.run(go())
+    assert elapsed < 2 and not scored.valid[0]
+    assert "never_returns took longer than reward_timeout_s=0.5s" in str(scored.failure)
+    assert scored.applied["blocking"] == {0: 1.0}  # the other function still scored the sample
+
+
+def test_functions_that_ask_run_in_worker_processes_and_a_stuck_one_is_replaced():
+    import os
+
+    specs = {"tests.unit.reward_helpers:worker_pid": 1.0, "tests.unit.reward_helpers:raises": 0.0}
+    stuck = rewards.load({"tests.unit.reward_helpers:hangs_on_stop": 1.0})
+
+    async def go():
+        workers = rewards.Workers(threads=2, timeout_s=3)
+        first = await rewards.score(rewards.load(specs), ["p"] * 2, ["a", "b"], [{}, {}], workers=workers)
+        workers.timeout_s = 1.0
+        hung = await rewards.score(stuck, ["p"] * 2, ["stop", "x"], [{}, {}], workers=workers)
+        after = await rewards.score(stuck, ["p"], ["x"], [{}], workers=workers)
+        workers.close()
+        return first, hung, after
+
+    first, hung, after = asyncio.run(go())
+    pids = set(first.applied["worker_pid"].values())
+    assert pids and os.getpid() not in pids  # ran in a process of its own
+    assert not first.valid.any() and "cannot score 'a'" in str(first.failure)  # its error came back
+    assert not hung.valid.any() and "hangs_on_stop took longer than reward_timeout_s=1s" in str(hung.failure)
+    assert after.valid.all() and after.total.tolist() == [1.0]  # a fresh worker took the next call

@@ -191,6 +191,7 @@ class CriticService(Service):
         return still
 
     def values(self, batch: Batch, rows: list[int]) -> dict[str, Any]:
+        self.phase(f"valuing {len(rows)} samples with version {self.version}")
         prompts = Ragged.from_list([batch.ragged(PROMPT)[i] for i in rows])
         responses = Ragged.from_list([batch.ragged(RESPONSE)[i] for i in rows])
         packed = pack(
@@ -204,6 +205,7 @@ class CriticService(Service):
         cut from the batch sorted by rollout's group sequence, so their composition does not depend on
         the order in which rows became ready (a resumed run cuts the same ones)."""
         cfg = self.config
+        self.phase(f"training version {self.version + 1} on {len(batch)} samples")
         groups = torch.tensor(batch.meta_of(GROUP, 0), dtype=torch.int64)
         members = torch.tensor(batch.meta_of(MEMBER, 0), dtype=torch.int64)
         order = torch.argsort(groups * 65536 + members, stable=True)

@@ -164,6 +164,7 @@ class EnvService(Service):
         finally:
             self.slots.release()
             self.ctx.health.info.update(self.counts, active=len(self.steps))
+            self.phase(f"{len(self.steps)} trajectories in flight ({self.counts['finished']} finished)")
 
     async def flush_acks(self, client: AsyncClient) -> None:
         """One acknowledgement per claim for the rows finished in the same turn of the event loop."""

@@ -2,7 +2,9 @@
 
 Two claims are kept in flight on one asyncio client, as its wiring says (meshrl/planning/wiring.py):
 prompts to complete ("generate": rollout's samples, or agents' turns where an environment writes them)
-and held-out prompts ("evaluate"); replicas share the work under one consumer name. Every prompt row
+and held-out prompts ("evaluate"); replicas share the work under one consumer name. Training rows go
+first; an evaluation's rows are claimed together and generated in one call with the version they
+evaluate (new weights wait for it), so in lock-step an evaluation runs while the trainer trains. Every prompt row
 carries `min_version` in its metadata, the oldest weight version it may be generated with: this is where
 the rollout's pacing window is enforced. Rows whose version has not been published yet stay claimed
 (their lease renewed) and are generated the moment it arrives; the others are generated at once. Rows
@@ -55,7 +57,10 @@ from meshrl.schema import (
 )
 
 LEASE_S = 300.0  # a replica that dies gives its claimed prompts back after this long
-PORTS = ("evaluate", "generate")  # the claims kept in flight: evaluation rows first
+PORTS = ("generate", "evaluate")  # the claims kept in flight: training rows first
+EVALUATION_ROWS = 65536
+"""An evaluation claim takes every row of a version at once: they are generated in one call, under the
+engine lock, so new weights cannot land in the middle of an evaluation (meshrl/roles/inference/receive.py)."""
 
 
 @dataclass
@@ -160,6 +165,7 @@ class InferenceService(Service):
                     self.new_version.clear()
                     version_task = asyncio.create_task(self.new_version.wait())
                 await self.serve_waiting(client)
+                self.idle_phase()
                 for port, task in list(pending.items()):
                     if task.done():
                         batch = task.result()
@@ -177,9 +183,8 @@ class InferenceService(Service):
 
     async def claim(self, client: AsyncClient, port: str) -> Batch:
         c = self.ctx.wiring.claim(port)
-        return await client.claim(
-            c.partition, c.consumer, list(c.columns), self.config.max_batch, timeout=WATCH_S, lease=LEASE_S
-        )
+        n = EVALUATION_ROWS if port == "evaluate" else self.config.max_batch
+        return await client.claim(c.partition, c.consumer, list(c.columns), n, timeout=WATCH_S, lease=LEASE_S)
 
     async def serve_rows(self, client: AsyncClient, work: Waiting) -> None:
         """Generate the rows the current version may serve; park the others."""
@@ -189,6 +194,8 @@ class InferenceService(Service):
         later = [i for i in work.rows if int(needs[i] or 0) > version]
         if ready:
             await self.hold_devices()
+            what = "an evaluation's" if work.port == "evaluate" else "prompt"
+            self.phase(f"generating {len(ready)} {what} rows with version {version}")
             columns = self.generate(work.batch, ready, evaluation=work.port == "evaluate")
             self.safe_point()
             ids = work.batch.ids[ready]
@@ -207,6 +214,14 @@ class InferenceService(Service):
             if now - work.renewed > LEASE_S / 3:
                 await client.renew(work.batch, LEASE_S)
                 work.renewed = now
+
+    def idle_phase(self) -> None:
+        waiting = sum(len(w.rows) for w in self.waiting)
+        if waiting:
+            need = min(int(w.batch.meta_of(MIN_VERSION, 0)[i] or 0) for w in self.waiting for i in w.rows)
+            self.phase(f"{waiting} rows wait for version {need} (it has {self.engine.version})")
+        else:
+            self.phase("waiting for prompts")
 
     def local_publish(self, version: int) -> None:
         """Called by the trainer of this process (hybrid ring): its model, which this engine generates

@@ -94,6 +94,16 @@ class RolloutConfig(ServiceConfig):
     `fn(prompts, completions, **columns) -> list[float | None]` (TRL's signature) or per sample
     `fn(prompt, completion, row) -> float | None`, sync or async (see reward_functions.py). Built in:
     meshrl.rewards:math_answer, meshrl.rewards:answer_format. Weight 0: logged and evaluated only."""
+    correctness: str | None = None
+    """The reward function that says whether an answer is right (one of `rewards`, `module:function`):
+    held-out accuracy and pass@k count the completions where its value is at least 0.5, whatever else
+    the reward adds (a format bonus). None: the only function of `rewards`, when there is one; else the
+    evaluation reports rewards and no accuracy."""
+    reward_threads: int = 4
+    """Threads the synchronous reward functions run on (off rollout's event loop)."""
+    reward_timeout_s: float = 60.0
+    """Time limit of one reward call (a batched function's call covers its whole batch); past it the
+    samples fail, with the reason."""
     rm_weight: float = 0.0
     """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""
     env_weight: float = 0.0
@@ -143,6 +153,8 @@ class RolloutConfig(ServiceConfig):
     def validate(self) -> Iterator[str]:
         if self.window is not None and self.window < 1:
             yield "window: must be >= 1 or None"
+        if self.reward_threads < 1 or not self.reward_timeout_s > 0:
+            yield "reward_threads, reward_timeout_s: must be >= 1 and > 0"
         if not 0 <= self.max_failed_fraction <= 1:
             yield "max_failed_fraction: must be in [0, 1]"
         yield from self._reward_problems()
@@ -160,12 +172,20 @@ class RolloutConfig(ServiceConfig):
         if self.overlong_max_len is not None and not 0 <= self.overlong_buffer <= self.overlong_max_len:
             yield "overlong_buffer: must be between 0 and overlong_max_len"
 
+    @property
+    def correctness_name(self) -> str | None:
+        """The metric name of the correctness check (see `correctness`), or None."""
+        spec = self.correctness or (next(iter(self.rewards)) if len(self.rewards) == 1 else None)
+        return None if spec is None else metric_name(spec)
+
     def _reward_problems(self) -> Iterator[str]:
         for spec, weight in self.rewards.items():
             if ":" not in spec:
                 yield f"rewards: {spec!r} must look like 'package.module:function'"
             if not isinstance(weight, (int, float)) or weight < 0:
                 yield f"rewards: the weight of {spec!r} must be a number >= 0"
+        if self.correctness is not None and self.correctness not in self.rewards:
+            yield f"correctness: {self.correctness!r} is not one of rewards ({sorted(self.rewards)}); give it a weight (0 evaluates it only)"
         names = [metric_name(s) for s in self.rewards]
         for name in sorted({n for n in names if names.count(n) > 1}):
             yield f"rewards: two functions named {name!r}; their metrics would mix (wrap one under another name)"

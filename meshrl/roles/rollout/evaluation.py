@@ -2,12 +2,15 @@
 
 At version 0, every `eval_every` versions and at the final version, rollout writes each held-out prompt
 into the `eval` partition once for a greedy completion and `eval_samples` times for sampled ones, all
-tagged with that version. In lock-step inference generates them with exactly it: rollout scores
-nothing generated with a version before that version's evaluation is complete (`scoring.py`), so the
-trainer cannot move on first (the evaluation's generation is then on the step's critical path), and
-inference finishes an evaluation batch on the weights it began with. A run that goes ahead of its
-trainer (window > 1 or none) may evaluate on a newer version; the log says how many rows were. When
-every row of a version is back, its greedy and sampled accuracy (the mean reward), pass@k and each reward function's mean are
+tagged with that version, when it counts that version's gate. In lock-step inference generates them
+with exactly it and off the critical path: it generates the step's training rows first, then claims
+the evaluation's rows all at once and generates them in one call while the trainer trains, and new
+weights wait for that call (`roles/inference/`). Rollout scores nothing generated with a version before
+that version's evaluation rows are put (`scoring.py`), so the trainer cannot publish the next version
+before inference has them. A run that goes ahead of its trainer (window > 1 or none) may evaluate on a
+newer version; the log says how many rows were. When
+every row of a version is back, its greedy and sampled reward (the mean reward trained on), accuracy (the
+share of answers the recipe's correctness check accepts), pass@k and each reward function's mean are
 appended to <run_dir>/eval.jsonl (`summarize`, which `meshrl eval` shares).
 """
 
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -86,15 +88,15 @@ class Evaluation:
     async def run(
         self, client: AsyncClient, pause: Pause, persist: Callable[[], None], after: Callable[[], None]
     ) -> None:
-        """Collect evaluation rows forever; `after` runs when an evaluation completed."""
+        """Collect evaluation rows forever; `after` runs after each batch of them."""
         while True:
             c = self.claim
             batch = await client.claim(c.partition, c.consumer, list(c.columns), 4096, timeout=WATCH_S)
             if not batch:
                 continue
             async with pause.work():
-                if await self.collect(client, batch, persist):
-                    after()
+                await self.collect(client, batch, persist)
+                after()
 
     async def collect(self, client: AsyncClient, batch: Batch, persist: Callable[[], None]) -> bool:
         """Count the rows, record the evaluations they complete, persist, delete, acknowledge."""
@@ -133,7 +135,7 @@ class Evaluation:
         if version in self.recorded:  # by a predecessor that died before its state said so
             return
         self.recorded.add(version)
-        row = {"version": version, **summarize(results), "time": time.time()}
+        row = {"version": version, **summarize(results, self.cfg.correctness_name), "time": time.time()}
         log.info("eval at version %d: %s", version, row)
         self.sink.write(row)
 
@@ -167,27 +169,34 @@ async def results(
     ]  # fmt: skip
 
 
-def summarize(results: list[EvalResult]) -> dict[str, float]:
-    """An evaluation's line: greedy and sampled accuracy (mean reward), pass@k (the share of prompts
-    with a sampled completion of reward >= 1, a correct answer under a 0/1 reward of weight 1), and
-    each reward function's mean over the greedy completions it applied to."""
+def summarize(results: list[EvalResult], correctness: str | None = None) -> dict[str, float]:
+    """An evaluation's line: the mean reward of the greedy and of the sampled completions
+    (`greedy_reward`, `sampled_reward`: what training maximises, format bonuses included), each reward
+    function's mean over the greedy completions it applied to, and, when the recipe has a correctness
+    check (`correctness`: the name of the reward function that says whether an answer is right), the
+    share of correct completions (`greedy_accuracy`, `sampled_accuracy`: a value of at least 0.5 is
+    correct; a completion it does not apply to is left out) and pass@k (the share of prompts with at
+    least one correct sampled completion of their k)."""
     m = Metrics()
-    best: dict[int, float] = {}
+    solved: dict[int, bool] = {}
     for greedy, reward, prompt, functions in results:
-        m.add("greedy_accuracy" if greedy else "sampled_accuracy", reward)
+        kind = "greedy" if greedy else "sampled"
+        m.add(f"{kind}_reward", reward)
         m.add("prompts", float(greedy))
         if greedy:
             for name, value in functions.items():
                 m.add(f"reward/{name}", value)
-        else:
-            best[prompt] = max(best.get(prompt, -math.inf), reward)
+        check = functions.get(correctness) if correctness is not None else None
+        if check is not None:
+            m.add(f"{kind}_accuracy", float(check >= 0.5))
+            if not greedy:
+                solved[prompt] = solved.get(prompt, False) or check >= 0.5
     values = m.reduce()
-    k = sum(not g for g, *_ in results) // max(len(best), 1)
-    out = {
-        "greedy_accuracy": values.pop("greedy_accuracy", 0.0),
-        "sampled_accuracy": values.pop("sampled_accuracy", 0.0),
-        "prompts": int(values.pop("prompts", 0)),
-    }
-    if best:
-        out[f"pass@{k}"] = sum(b >= 1.0 for b in best.values()) / len(best)
+    out: dict[str, float] = {"prompts": int(values.pop("prompts", 0))}
+    for key in ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"):
+        if key in values:
+            out[key] = values.pop(key)
+    if solved:
+        k = sum(not g for g, *_ in results) // max(len({p for g, _, p, _ in results if not g}), 1)
+        out[f"pass@{k}"] = sum(solved.values()) / len(solved)
     return {**out, **values}

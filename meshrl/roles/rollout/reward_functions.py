@@ -10,17 +10,28 @@ called in one of two ways, told apart by its signature:
 
 Prompts are the dataset's prompt column as it is (a string, or TRL's list of chat messages); a
 completion is the decoded text, or `[{"role": "assistant", "content": text}]` when the prompt is a
-list of messages (as TRL passes them). `async def` functions run concurrently with each other (and an
-async per-sample function over the batch's samples), e.g. for a remote judge.
+list of messages (as TRL passes them).
+
+Where they run (`Workers`): nothing but `async def` functions runs on rollout's event loop, which also
+counts gates, feeds prompts and collects evaluations. A synchronous function (math-verify on a long
+answer, code execution, a judge over a blocking client) runs on a thread pool of `reward_threads`, or,
+when it asks with `meshrl.rewards.in_process`, in a worker process (CPU-bound Python, or code that
+needs a main thread of its own). Functions of a batch run concurrently with each other, and a
+per-sample function over the batch's samples. Every call has a time limit, `reward_timeout_s`.
 
 A value of `None` means "not applicable": it adds nothing to the sample's reward and is left out of
-that function's mean (TRL's rule). An exception or a non-finite value marks the sample failed: it is
-excluded from the loss, and the run stops when more than `max_failed_fraction` of samples failed.
+that function's mean (TRL's rule). An exception, a non-finite value or a call past its time limit marks
+the sample failed, with the reason: it is excluded from the loss, counted, the first failure logged,
+and the run stops when more than `max_failed_fraction` of samples failed. A thread stuck in a function
+cannot be stopped (it goes on in the background, its result thrown away); a stuck process is ended and
+its pool started afresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import importlib
 import inspect
 import itertools
@@ -35,6 +46,7 @@ import torch
 
 from meshrl.dataplane import Batch
 from meshrl.roles.rollout.config import metric_name
+from meshrl.roles.rollout.reward_process import ProcessPool
 from meshrl.schema import RESPONSE
 
 log = logging.getLogger("meshrl.rollout")
@@ -50,6 +62,45 @@ class RewardFunction:
     weight: float
     batched: bool
     """Takes `**kwargs`: called once per batch, TRL's way."""
+    spec: str = ""
+    """`module:function`: how a worker process finds it."""
+
+    @property
+    def asynchronous(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+    @property
+    def in_process(self) -> bool:
+        """It asked to run in a worker process (`meshrl.rewards.in_process`)."""
+        return bool(getattr(self.fn, "meshrl_in_process", False))
+
+
+class Workers:
+    """Where the synchronous reward functions run, each call under a time limit: a thread pool, and
+    worker processes for the functions that ask (`reward_process.py`)."""
+
+    def __init__(self, threads: int = 4, timeout_s: float = 60.0) -> None:
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
+        self.processes = ProcessPool(threads)
+        self.timeout_s = timeout_s
+
+    async def call(self, f: RewardFunction, *args: Any, **kwargs: Any) -> Any:
+        """`f(*args, **kwargs)`, off the event loop unless it is async; TimeoutError past the limit."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if f.asynchronous:
+                    return await f.fn(*args, **kwargs)
+                if f.in_process:
+                    return await self.processes.call(f.spec, args, kwargs)
+                loop = asyncio.get_running_loop()
+                value = await loop.run_in_executor(self.threads, functools.partial(f.fn, *args, **kwargs))
+                return await value if inspect.isawaitable(value) else value
+        except TimeoutError:
+            raise TimeoutError(f"{f.name} took longer than reward_timeout_s={self.timeout_s:g}s") from None
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
+        self.processes.close()
 
 
 def load(rewards: dict[str, float]) -> list[RewardFunction]:
@@ -59,7 +110,7 @@ def load(rewards: dict[str, float]) -> list[RewardFunction]:
         module, _, name = spec.partition(":")
         fn = getattr(importlib.import_module(module), name)
         batched = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-        out.append(RewardFunction(metric_name(spec), fn, float(weight), batched))
+        out.append(RewardFunction(metric_name(spec), fn, float(weight), batched, spec))
     return out
 
 
@@ -83,10 +134,20 @@ async def score(
     completions: list[Any],
     rows: list[dict[str, Any]],
     prompt_field: str = "prompt",
+    workers: Workers | None = None,
 ) -> Scored:
-    """Every function on every sample, the functions concurrently."""
+    """Every function on every sample, the functions concurrently (on `workers`; a default pool when
+    none is given)."""
     kwargs = columns(rows, prompt_field)
-    outcomes = await asyncio.gather(*(_call(f, prompts, completions, rows, kwargs) for f in functions))
+    own = workers is None
+    workers = workers or Workers()
+    try:
+        outcomes = await asyncio.gather(
+            *(_call(workers, f, prompts, completions, rows, kwargs) for f in functions)
+        )
+    finally:
+        if own:
+            workers.close()
     n = len(prompts)
     total, valid, failure = [0.0] * n, [True] * n, None
     applied: dict[str, dict[int, float]] = {f.name: {} for f in functions}
@@ -105,23 +166,21 @@ async def score(
 
 
 async def _call(
+    workers: Workers,
     f: RewardFunction,
     prompts: list[Any],
     completions: list[Any],
     rows: list[dict[str, Any]],
     kwargs: dict[str, list[Any]],
 ) -> list[Value]:
-    """One function's outcome per sample; a batched call that fails or returns the wrong shape fails
-    every sample of the batch."""
+    """One function's outcome per sample; a batched call that fails, times out or returns the wrong
+    shape fails every sample of the batch."""
     n = len(prompts)
     if not f.batched:
         calls = zip(prompts, completions, rows, strict=True)
-        return list(await asyncio.gather(*(_one(f.fn, p, c, r) for p, c, r in calls)))
+        return list(await asyncio.gather(*(_one(workers, f, p, c, r) for p, c, r in calls)))
     try:
-        values = f.fn(prompts, completions, **kwargs)
-        if inspect.isawaitable(values):
-            values = await values
-        values = list(values)
+        values = list(await workers.call(f, prompts, completions, **kwargs))
         if len(values) != n:
             raise ValueError(f"returned {len(values)} values for {n} completions")
     except Exception as e:
@@ -129,11 +188,11 @@ async def _call(
     return [_checked(v) for v in values]
 
 
-async def _one(fn: Callable[..., Any], prompt: Any, completion: Any, row: dict[str, Any]) -> Value:
+async def _one(
+    workers: Workers, f: RewardFunction, prompt: Any, completion: Any, row: dict[str, Any]
+) -> Value:
     try:
-        value = fn(prompt, completion, row)
-        if inspect.isawaitable(value):
-            value = await value
+        value = await workers.call(f, prompt, completion, row)
     except Exception as e:
         return e
     return _checked(value)

@@ -30,7 +30,7 @@ from meshrl.observe.metrics import Metrics, Sink
 from meshrl.planning.recipe import Recipe
 from meshrl.planning.wiring import Claim
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.reward_functions import RewardFunction, Scored, completions, score
+from meshrl.roles.rollout.reward_functions import RewardFunction, Scored, Workers, completions, score
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.runtime.service import WATCH_S
 from meshrl.schema import (
@@ -56,11 +56,18 @@ log = logging.getLogger("meshrl.rollout")
 
 
 class Rewards:
-    """The reward functions on a batch's completions (also what evaluation measures); the first
-    failure is kept and logged."""
+    """The reward functions on a batch's completions (also what evaluation measures), run on `workers`;
+    the first failure is kept and logged."""
 
-    def __init__(self, tokenizer: Any, functions: list[RewardFunction], prompt_field: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        functions: list[RewardFunction],
+        prompt_field: str,
+        workers: Workers | None = None,
+    ) -> None:
         self.tokenizer, self.functions, self.prompt_field = tokenizer, functions, prompt_field
+        self.workers = workers or Workers()
         self.first_failure: str | None = None
 
     async def __call__(self, batch: Batch, rows: list[dict[str, Any]]) -> Scored:
@@ -68,11 +75,14 @@ class Rewards:
         prompts = [r[self.prompt_field] for r in picked]
         conversational = bool(prompts) and isinstance(prompts[0], list)
         texts = completions(self.tokenizer, batch, conversational)
-        scored = await score(self.functions, prompts, texts, picked, self.prompt_field)
+        scored = await score(self.functions, prompts, texts, picked, self.prompt_field, self.workers)
         if scored.failure is not None and self.first_failure is None:
             self.first_failure = scored.failure
             log.error("reward function failed: %s", scored.failure)
         return scored
+
+    def close(self) -> None:
+        self.workers.close()
 
 
 class Scoring:
@@ -86,12 +96,12 @@ class Scoring:
         claim: Claim,
         on_refill: Callable[[], None],
         sink: Sink,
-        until_evaluated: Callable[[int], Awaitable[None]],
+        until_gated: Callable[[int], Awaitable[None]],
     ) -> None:
         """Scores the rows of `claim` (its columns: what the reward and advantage read)."""
         self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
         self.claim = claim
-        self.until_evaluated = until_evaluated  # a version's gate counted and its evaluation complete
+        self.until_gated = until_gated  # a version's gate counted and its evaluation rows put
         self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
         self.on_refill = on_refill  # dynamic sampling handed samples back: the feed may draw again
         self.kl = AdaptiveKL(state.kl_coef, cfg.kl_penalty.target, cfg.kl_penalty.horizon)
@@ -113,9 +123,9 @@ class Scoring:
             )  # fmt: skip
             if not batch:
                 continue
-            # a version's evaluation is generated before anything generated with it is scored: the
-            # trainer cannot move past a version before inference has evaluated it
-            await self.until_evaluated(max(int(v or 0) for v in batch.meta_of(MIN_VERSION, 0)))
+            # a version's evaluation rows are put before anything generated with it is scored: inference
+            # has them (and generates them with that version) before the trainer can publish the next
+            await self.until_gated(max(int(v or 0) for v in batch.meta_of(MIN_VERSION, 0)))
             async with pause.work():
                 if await self.score(client, batch, persist):
                     self.check_filtered()

@@ -64,7 +64,10 @@ class RolloutService(Service):
             return encode(tokenizer, cfg, row)
 
         check_lengths(train_rows, encoded, cfg.max_prompt_len)
-        rewards = Rewards(tokenizer, reward_functions.load(cfg.rewards), cfg.prompt_field)
+        workers = reward_functions.Workers(cfg.reward_threads, cfg.reward_timeout_s)
+        self.rewards = rewards = Rewards(
+            tokenizer, reward_functions.load(cfg.rewards), cfg.prompt_field, workers
+        )
         seed = ctx.recipe.seed * 7919 + ctx.replica.index
         wiring = ctx.wiring
         self.feed = Feed(
@@ -73,7 +76,7 @@ class RolloutService(Service):
         )  # fmt: skip
         self.scoring = Scoring(
             cfg, ctx.recipe, self.state, rewards, train_rows, wiring.claim("score"), on_refill=self.feed.changed.set,
-            sink=self.sink("rewards.jsonl", predecessor), until_evaluated=self.until_evaluated,
+            sink=self.sink("rewards.jsonl", predecessor), until_gated=self.until_gated,
         )  # fmt: skip
         self.evaluation = Evaluation(
             cfg,
@@ -178,8 +181,21 @@ class RolloutService(Service):
             await self.evaluation.put(self.client, key, int(what["version"]))
         del self.state.pending[key]
 
+    def report(self) -> None:
+        """Its phase: the evaluation under way, else how far scoring is."""
+        st = self.state
+        if st.eval_pending:
+            version = min(st.eval_pending)
+            expected = len(self.evaluation.rows) * (1 + self.config.eval_samples)
+            self.phase(
+                f"evaluating version {version}: {expected - st.eval_pending[version]}/{expected} rows back"
+            )
+        else:
+            self.phase(f"{st.scored}/{self.feed.total} samples scored, {st.gates} versions seen")
+
     def scored(self) -> None:
         st = self.state
+        self.report()
         self.check_done()
         self.ctx.health.info.update(
             scored=st.scored, failed=st.failed, skipped=st.skipped, filtered=st.filtered
@@ -187,6 +203,7 @@ class RolloutService(Service):
 
     def evaluated(self) -> None:
         self.progress.set()
+        self.report()
         self.check_done()
 
     def check_done(self) -> None:
@@ -216,13 +233,20 @@ class RolloutService(Service):
                 )
                 await self.client.ack(batch)
                 self.feed.changed.set()
+            self.report()
             self.progress.set()
 
-    async def until_evaluated(self, version: int) -> None:
-        """Until the gate of `version` is counted and the evaluations of it and of earlier versions are
-        complete: scoring what was generated with `version` lets the trainer move past it, and an
-        evaluation must be generated with the weights it measures."""
-        while self.state.last_gate < version or any(v <= version for v in self.state.eval_pending):
+    async def until_gated(self, version: int) -> None:
+        """Until the gate of `version` is counted and the evaluation rows of it and of earlier versions
+        are put. Scoring what was generated with `version` lets the trainer publish the next one: by
+        then inference has claimed that version's evaluation rows, which it generates in one call with
+        the weights they measure (new weights wait for the call), while the trainer trains."""
+        st = self.state
+
+        def putting() -> bool:
+            return any(w["kind"] == "eval" and int(w["version"]) <= version for w in st.pending.values())
+
+        while st.last_gate < version or putting():
             self.progress.clear()
             await self.progress.wait()
 
@@ -240,5 +264,11 @@ class RolloutService(Service):
         self.persist()
         if key is not None:
             await self.put_pending(key)
+            self.progress.set()
         if final:
             self.check_done()
+
+    def close(self) -> None:
+        if hasattr(self, "rewards"):
+            self.rewards.close()
+        super().close()

@@ -28,6 +28,7 @@ from meshrl.algorithms.losses import AdaptiveKL
 from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.packing import TrainBatch
 from meshrl.engines.settings import GAESettings
+from meshrl.observe.follow import NO_SIGNAL_STEPS, no_signal_advice
 from meshrl.observe.metrics import JsonlSink
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.roles.trainer.loader import CLAIM_POLL_S, Loader, MiniBatch
@@ -78,6 +79,7 @@ class TrainerService(Service):
         self.start_step = 0
         self.nan_streak = 0
         self.kl = AdaptiveKL(cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+        self.quiet_steps = 0  # steps in a row in which no group's rewards differed
         metrics_lines = 0  # a fresh run starts a fresh metrics.jsonl
         if self.ctx.resume is not None:
             metrics_lines = self.resume(self.ctx.resume)
@@ -116,11 +118,16 @@ class TrainerService(Service):
             # sharing devices in a ring, the step's data must all be there before the trainer takes the
             # devices: its mini-batches come from the generation it would otherwise keep off them
             t0 = time.perf_counter()
-            ready = [self.next_minibatch() for _ in range(cfg.mini_batches)] if self.ring is not None else []
+            ready = (
+                [self.next_minibatch(step, k) for k in range(cfg.mini_batches)]
+                if self.ring is not None
+                else []
+            )
             t1 = time.perf_counter()
+            self.phase(f"waiting for the devices (step {step + 1})")
             with self.device_turn():
                 ring_s = time.perf_counter() - t1
-                rows, stats, wait_s, train_s = self.train_step(ready)
+                rows, stats, wait_s, train_s = self.train_step(step, ready)
                 self.version += 1
                 now = time.perf_counter()
                 self.record(
@@ -133,8 +140,10 @@ class TrainerService(Service):
                     self.engine.save_pretrained(str(self.ctx.run_dir / "final"), source=cfg.model)
             self.ctx.health.info.update(step=step + 1, version=self.version)
             if every and (step + 1) % every == 0 and step + 1 < total:
+                self.phase(f"checkpointing step {step + 1}")
                 with self.device_turn():
                     self.checkpoint(step + 1)
+        self.phase("finishing: the last publication, then waiting for rollout's last evaluation")
         self.publisher.finish()
         self.client.flush()  # the acks first: closing the loader's connection hands back its open claims
         if self.loader is not None:
@@ -143,7 +152,7 @@ class TrainerService(Service):
             time.sleep(0.2)
 
     def train_step(
-        self, ready: list[MiniBatch]
+        self, step: int, ready: list[MiniBatch]
     ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]], float, float]:
         """One optimizer step per mini-batch (taken here as each is ready, or given in `ready`).
         Returns the per-row summaries, the update statistics, and the seconds waiting and training."""
@@ -153,8 +162,9 @@ class TrainerService(Service):
         wait_s = train_s = 0.0
         for k in range(cfg.mini_batches):  # streaming: train on each mini-batch as soon as it is ready
             t0 = time.perf_counter()
-            mini = ready[k] if ready else self.next_minibatch()
+            mini = ready[k] if ready else self.next_minibatch(step, k)
             t1 = time.perf_counter()
+            self.phase(f"training mini-batch {k + 1}/{cfg.mini_batches} of step {step + 1}")
             summary = mini.summary
             summary["staleness"] = self.version - mini.born
             keep = torch.ones(len(mini.batch), dtype=torch.bool)
@@ -171,9 +181,12 @@ class TrainerService(Service):
             train_s += time.perf_counter() - t1
         return rows, stats, wait_s, train_s
 
-    def next_minibatch(self) -> MiniBatch:
-        """This rank's share of one mini-batch, packed: whole groups, all columns ready. Waits as long
-        as needed; the loader has usually claimed and packed it while the mini-batch before trained."""
+    def next_minibatch(self, step: int, k: int) -> MiniBatch:
+        """This rank's share of mini-batch `k` of `step`, packed: whole groups, all columns ready. Waits
+        as long as needed; the loader has usually claimed and packed it while the one before trained."""
+        self.phase(
+            f"waiting for mini-batch {k + 1}/{self.config.mini_batches} of step {step + 1} (generation, scoring)"
+        )
         if self.loader is None:
             cfg = self.config
             n = self.ctx.recipe.batch_size // cfg.mini_batches // self.world
@@ -251,6 +264,7 @@ class TrainerService(Service):
 
     def publish(self, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `self.version` (see publish.py); returns the seconds taken here."""
+        self.phase(f"publishing version {self.version}")
         if self.config.loss.off_policy == "decoupled":  # the proximal policy of the coming step's loss
             self.engine.snapshot()
         return self.publisher.publish(self.version, final=final, gate=gate)
@@ -334,11 +348,20 @@ class TrainerService(Service):
     ) -> None:
         """Reduce the step's per-row summaries over ranks; rank 0 appends a line to metrics.jsonl."""
         samples = sample_metrics(parts, dist.group.WORLD if self.world > 1 else None)
+        self.warn_without_signal(step, samples.get("no_signal_fraction", 0.0))
         if self.metrics is not None:
             times["publish_s"] = self.publisher.publish_s
             self.metrics.write(step_row(step, self.version, samples, stats, times))
         if self.samples is not None:
             self.samples.write(step, self.version)
+
+    def warn_without_signal(self, step: int, no_signal: float) -> None:
+        """A run in which every group's rewards agree (all 0 or all 1) learns nothing: say so, with what
+        to try, after NO_SIGNAL_STEPS such steps in a row (and every 10 more)."""
+        self.quiet_steps = self.quiet_steps + 1 if no_signal >= 0.999 else 0
+        n = self.quiet_steps
+        if self.rank == 0 and n >= NO_SIGNAL_STEPS and (n - NO_SIGNAL_STEPS) % 10 == 0:
+            self.log.warning("step %d: %s", step, no_signal_advice(n))
 
     def offload(self) -> None:
         self.engine.offload(str(self.ctx.run_dir / "offload" / f"{self.ctx.name}.bin"))

@@ -81,9 +81,13 @@ def report(run_dir: Path) -> None:
         )
     if evals:
         first, last = evals[0], evals[-1]
-        print("\nheld-out accuracy        before   after")
-        print(f"  greedy                 {first['greedy_accuracy']:.2f}     {last['greedy_accuracy']:.2f}")
-        print(f"  sampled (T=1)          {first['sampled_accuracy']:.2f}     {last['sampled_accuracy']:.2f}")
+        print("\nheld-out accuracy (correct answers)   before   after")
+        print(
+            f"  greedy                             {first['greedy_accuracy']:.2f}     {last['greedy_accuracy']:.2f}"
+        )
+        print(
+            f"  sampled (T=1)                      {first['sampled_accuracy']:.2f}     {last['sampled_accuracy']:.2f}"
+        )
     n = min(10, len(metrics) // 2)
     if n:
         early = sum(m["reward_mean"] for m in metrics[:n]) / n

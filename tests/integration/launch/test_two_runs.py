@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,6 +97,16 @@ def test_meshrl_eval_beside_a_run(tmp_path, tiny_model):
         assert r.returncode == 0, r.stderr[-3000:]
         result = json.loads(r.stdout.strip().splitlines()[-1])
         assert result["prompts"] == 8 and run.poll() is None, (result, time.monotonic() - t0)
+        # what each service of the run is doing, and for how long
+        status = json.loads(meshrl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+        phases = {s["name"]: s["health"].get("phase", "") for s in status["services"]}
+        assert re.search(
+            r"(training|waiting for) mini-batch \d/4 of step \d+|publishing version", phases["trainer-0-1"]
+        ), phases
+        assert re.search(
+            r"generating \d+ prompt rows|waiting for prompts|rows wait for version", phases["inference-0-0"]
+        ), phases
+        assert re.search(r"samples scored|evaluating version", phases["rollout-0-0"]), phases
     finally:
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=60) == 130

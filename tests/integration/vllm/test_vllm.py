@@ -44,6 +44,28 @@ def test_logprobs_match_the_trainer_after_every_weight_update(tmp_path, arith_mo
     assert not shm() - before, f"vLLM left shared memory behind: {sorted(shm() - before)}"
 
 
+def test_a_seeded_batch_past_the_step_budget_samples_reproducibly(tmp_path, arith_model):
+    """64 prompts of 100 tokens: more prompt tokens than one engine step takes (2048). vLLM would cut a
+    prompt over two steps and rewind its request's generator, which a CPU generator cannot do; the engine
+    keeps prompts whole, so seeded sampling works, repeats itself, and does not depend on the batch."""
+    from meshrl.engines.base import SamplingParams
+    from meshrl.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(str(arith_model), max_batch_size=64, threads=1, work_dir=str(tmp_path / "vllm"))
+    try:
+        g = torch.Generator().manual_seed(0)
+        prompts = [[int(t) for t in torch.randint(4, 40, (100,), generator=g)] for _ in range(64)]
+        params = SamplingParams(temperature=1.0, max_new_tokens=6)
+        first = engine.generate(prompts, params, seeds=list(range(64)))
+        again = engine.generate(prompts, params, seeds=list(range(64)))
+        alone = engine.generate(prompts[:3], params, seeds=list(range(3)))
+    finally:
+        engine.close()
+    assert [c.tokens for c in first] == [c.tokens for c in again]
+    assert [c.tokens for c in first[:3]] == [c.tokens for c in alone]
+    assert len({tuple(c.tokens) for c in first}) > 1  # sampled, not one completion repeated
+
+
 def test_lora_adapters_alone_reach_vllm_and_its_logprobs_match_the_trainer(tmp_path, arith_model):
     """A trainer of LoRA adapters publishes only them (PEFT's names); vLLM loads each version as an adapter
     in place of the last, and samples and scores with it as the trainer computes with its PEFT model."""
