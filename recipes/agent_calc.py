@@ -39,8 +39,7 @@ def recipe() -> Recipe:
                 config=RolloutConfig(
                     model=MODEL,
                     dataset="agent_calc",
-                    rewards={},
-                    env_weight=1.0,
+                    rewards={"env": 1.0},
                     window=1,
                 ),
             ),

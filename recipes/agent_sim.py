@@ -29,7 +29,7 @@ def recipe() -> Recipe:
         groups=(
             ServiceGroup(
                 id="rollout",
-                config=RolloutConfig(model=MODEL, rewards={}, env_weight=1.0, window=None),
+                config=RolloutConfig(model=MODEL, rewards={"env": 1.0}, window=None),
             ),
             ServiceGroup(
                 id="env",

@@ -19,11 +19,15 @@ from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 
 MODEL = "runs/smollm2-135m"  # made by `meshrl models smollm2-135m`; override with *.model=PATH_OR_HUB_ID
-TASK = "reasoning_gym:leg_counting"
-LEGS = {"size": 2000, "seed": 0, "min_animals": 1, "max_animals": 2, "max_instances": 3}
-"""reasoning_gym.create_dataset's settings: one or two kinds of animal, at most three of each."""
+TASK = "reasoning_gym:basic_arithmetic"
+ARITHMETIC = {
+    "size": 4000, "seed": 0, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+    "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False,
+}  # fmt: skip
+"""reasoning_gym.create_dataset's settings: a sum or difference of two numbers of one or two digits
+(the untrained model gets about a quarter of them right, greedily)."""
 SYSTEM = (
-    "You count legs. Think step by step in one or two short sentences, then give the total as a "
+    "Solve the problem. Think step by step in one or two short sentences, then give the final answer as a "
     "number inside <answer></answer> tags, e.g. <answer>12</answer>."
 )
 
@@ -34,7 +38,7 @@ def recipe() -> Recipe:
         total_steps=30,
         seed=0,
         prompts_per_step=8,
-        group_size=8,
+        group_size=4,
         temperature=1.0,
         groups=(
             ServiceGroup(
@@ -43,15 +47,15 @@ def recipe() -> Recipe:
                     model=MODEL,
                     dataset=TASK,
                     eval_dataset=TASK,
-                    dataset_kwargs=LEGS,
-                    eval_size=32,
+                    dataset_kwargs=ARITHMETIC,
+                    eval_size=100,
                     system_prompt=SYSTEM,
                     rewards={"meshrl.rewards:math_answer": 1.0, "meshrl.rewards:answer_format": 0.2},
                     correctness="meshrl.rewards:math_answer",
                     max_prompt_len=256,
                     window=1,
                     eval_every=0,
-                    eval_samples=2,
+                    eval_samples=1,
                 ),
             ),
             ServiceGroup(
@@ -63,9 +67,9 @@ def recipe() -> Recipe:
                 id="trainer",
                 config=TrainerConfig(
                     model=MODEL,
-                    optim=OptimConfig(lr=2e-6, warmup_steps=3),
+                    optim=OptimConfig(lr=5e-6, warmup_steps=3),
                     memory=MemoryConfig(micro_batch=8),
-                    mini_batches=2,
+                    mini_batches=1,
                     threads=2,
                 ),
                 devices_per_replica=1,

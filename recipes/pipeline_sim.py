@@ -27,7 +27,7 @@ def recipe() -> Recipe:
         groups=(
             ServiceGroup(
                 id="rollout",
-                config=RolloutConfig(model=MODEL, window=1),
+                config=RolloutConfig(model=MODEL, rewards={"meshrl.tasks.arith:reward": 1.0}, window=1),
             ),
             ServiceGroup(
                 id="inference",

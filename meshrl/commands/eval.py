@@ -94,7 +94,7 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     gen_s = time.perf_counter() - t0
     batch = Batch(EVAL, "eval", 0, np.arange(len(meta)), [*meta], {RESPONSE: Ragged.from_list(completions)})
     workers = reward_functions.Workers(rollout.reward_threads, rollout.reward_timeout_s)
-    rewards = Rewards(tokenizer, reward_functions.load(rollout.rewards), rollout.prompt_field, workers)
+    rewards = Rewards(tokenizer, reward_functions.load(rollout.functions), rollout.prompt_field, workers)
     try:
         summary = summarize(asyncio.run(results(rewards, batch, rows)), rollout.correctness_name)
     finally:

@@ -148,7 +148,7 @@ PRODUCER_HINTS = {
 READER_HINTS = {
     VALUES: "rollout.advantage='gae' with rollout.values='critic' reads them",
     REF_LOGPROBS: "trainer.kl.coef > 0 (or trainer.kl.metric) or rollout.kl_penalty.coef > 0 reads them",
-    RM_SCORE: "rollout.rm_weight > 0 reads it",
+    RM_SCORE: 'rollout.rewards={"rm": <weight>, ...} reads it',
     TOKEN_REWARDS: "trainer.value.head=true reads them",
 }
 

@@ -9,6 +9,8 @@ import pytest
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.service import load_rows
 
+ARITH = {"meshrl.tasks.arith:reward": 1.0}
+
 
 def test_broken_rows_are_skipped_with_where_and_why(tmp_path):
     path = tmp_path / "train.jsonl"
@@ -22,7 +24,7 @@ def test_broken_rows_are_skipped_with_where_and_why(tmp_path):
     ]
     path.write_text("\n".join(lines) + "\n")
     bad: list[str] = []
-    train, _ = load_rows(RolloutConfig(model=".", dataset=str(path)), bad)
+    train, _ = load_rows(RolloutConfig(model=".", rewards=ARITH, dataset=str(path)), bad)
     assert [r["prompt"] for r in train] == ["1+1=", "3+3="]
     assert len(bad) == 3
     assert "line 2: not JSON" in bad[0] and "line 3: a list, not an object" in bad[1]
@@ -33,7 +35,7 @@ def test_a_file_without_the_prompt_field_is_an_error_naming_it(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"question": "1+1="}) + "\n")
     with pytest.raises(ValueError, match="rows have no field 'prompt'.*set rollout.prompt_field"):
-        load_rows(RolloutConfig(model=".", dataset=str(path)))
+        load_rows(RolloutConfig(model=".", rewards=ARITH, dataset=str(path)))
 
 
 def test_a_dataset_directory_and_its_splits_load_through_datasets(tmp_path):
@@ -44,7 +46,7 @@ def test_a_dataset_directory_and_its_splits_load_through_datasets(tmp_path):
         tmp_path / "ds"
     )
     cfg = RolloutConfig(
-        model=".", dataset=str(tmp_path / "ds"), eval_dataset=str(tmp_path / "ds"), max_rows=3
+        model=".", rewards=ARITH, dataset=str(tmp_path / "ds"), eval_dataset=str(tmp_path / "ds"), max_rows=3
     )
     train, held_out = load_rows(cfg)
     assert [r["prompt"] for r in train] == ["0+1=", "1+1=", "2+1="] and train[0]["level"] == 0
@@ -59,7 +61,7 @@ def test_conversational_prompts_and_the_system_prompt_reach_the_chat_template(tm
     tok = AutoTokenizer.from_pretrained(tiny_model)
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
-    cfg = RolloutConfig(model=".", dataset=str(path), system_prompt="be brief.")
+    cfg = RolloutConfig(model=".", rewards=ARITH, dataset=str(path), system_prompt="be brief.")
     train, _ = load_rows(cfg)
     text = tok.decode(encode(tok, cfg, train[0]))
     expected = tok.apply_chat_template(
@@ -67,7 +69,7 @@ def test_conversational_prompts_and_the_system_prompt_reach_the_chat_template(tm
         add_generation_prompt=True, tokenize=False,
     )  # fmt: skip
     assert text == expected and "be brief." in text
-    plain = RolloutConfig(model=".", dataset=str(path), chat_template=False)
+    plain = RolloutConfig(model=".", rewards=ARITH, dataset=str(path), chat_template=False)
     assert "be brief." not in tok.decode(encode(tok, plain, train[0]))
 
 
@@ -86,7 +88,7 @@ def test_most_prompts_too_long_stops_naming_the_setting():
 
 def test_a_reasoning_gym_task_generates_train_and_other_held_out_rows():
     cfg = RolloutConfig(
-        model=".", dataset="reasoning_gym:leg_counting", eval_dataset="reasoning_gym:leg_counting",
+        model=".", rewards=ARITH, dataset="reasoning_gym:leg_counting", eval_dataset="reasoning_gym:leg_counting",
         dataset_kwargs={"size": 20, "seed": 3, "min_animals": 1, "max_animals": 2}, eval_size=5,
     )  # fmt: skip
     train, held_out = load_rows(cfg)
@@ -100,7 +102,7 @@ def test_dataset_settings_are_checked_all_at_once():
     from meshrl.planning.config import RecipeError
 
     with pytest.raises(RecipeError) as e:
-        RolloutConfig(model=".", max_rows=0, eval_size=-1, streaming=True)
+        RolloutConfig(model=".", rewards=ARITH, max_rows=0, eval_size=-1, streaming=True)
     assert [p.split(":")[0] for p in e.value.problems] == ["max_rows", "eval_size"]
     with pytest.raises(RecipeError, match="streaming: needs max_rows"):
-        RolloutConfig(model=".", streaming=True)
+        RolloutConfig(model=".", rewards=ARITH, streaming=True)

@@ -194,7 +194,7 @@ class InferenceService(Service):
         later = [i for i in work.rows if int(needs[i] or 0) > version]
         if ready:
             await self.hold_devices()
-            what = "an evaluation's" if work.port == "evaluate" else "prompt"
+            what = "evaluation" if work.port == "evaluate" else "prompt"
             self.phase(f"generating {len(ready)} {what} rows with version {version}")
             columns = self.generate(work.batch, ready, evaluation=work.port == "evaluate")
             self.safe_point()

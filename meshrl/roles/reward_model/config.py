@@ -12,7 +12,7 @@ from meshrl.schema import RM_SCORE, SAMPLES
 @dataclass(frozen=True, kw_only=True)
 class RewardModelConfig(ScorerConfig):
     """An HF sequence-classification model (one label) that writes `rm_score` for every completion: its
-    output at the last token of prompt + response. Rollout weighs it into the reward (rollout.rm_weight).
+    output at the last token of prompt + response. Rollout weighs it into the reward (the "rm" source of rollout.rewards).
 
     When the model's tokenizer is not the policy's, rows are decoded with the policy's tokenizer and
     re-encoded with the model's."""

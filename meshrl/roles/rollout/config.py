@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
+SOURCES = ("env", "rm")
+"""Reward sources that are not functions: an environment's reward and a reward model's score."""
+
 BUILTIN_TASKS = {
     "arith": "meshrl.tasks.arith",
     "agent_calc": "meshrl.tasks.agent_calc",
@@ -50,6 +53,8 @@ class RolloutConfig(ServiceConfig):
     moved: ClassVar[dict[str, str]] = {
         "reward": 'rewards={"module:function": 1.0} (several weighted functions, TRL\'s way)',
         "reward_weight": 'rewards={"module:function": <weight>}',
+        "rm_weight": 'rewards={"rm": <weight>, ...} (the reward model\'s score is one source of the reward map)',
+        "env_weight": 'rewards={"env": <weight>, ...} (the environment\'s reward is one source of the reward map)',
         "kl_in_reward": "kl_penalty.coef",
         "kl_target": "kl_penalty.target",
         "kl_horizon": "kl_penalty.horizon",
@@ -89,11 +94,14 @@ class RolloutConfig(ServiceConfig):
     """A system message put before each prompt (prompts then go through the chat template)."""
     chat_template: bool = False
     """Render string prompts with the tokenizer's chat template (as one user message)."""
-    rewards: dict[str, float] = field(default_factory=lambda: {"meshrl.tasks.arith:reward": 1.0})
-    """Reward functions by import path, with their weights: `{"pkg.mod:fn": 1.0, ...}`. Batched
-    `fn(prompts, completions, **columns) -> list[float | None]` (TRL's signature) or per sample
-    `fn(prompt, completion, row) -> float | None`, sync or async (see reward_functions.py). Built in:
-    meshrl.rewards:math_answer, meshrl.rewards:answer_format. Weight 0: logged and evaluated only."""
+    rewards: dict[str, float] = field(default_factory=dict)
+    """Every source of the reward trained on, with its weight (no default: a recipe names them):
+    reward functions by import path, `"pkg.mod:fn"` (batched `fn(prompts, completions, **columns) ->
+    list[float | None]`, TRL's signature, or per sample `fn(prompt, completion, row) -> float | None`,
+    sync or async: see reward_functions.py; built in: meshrl.rewards:math_answer, :answer_format),
+    `"env"`: an environment's reward of an agent's trajectory (needs an environment service), and
+    `"rm"`: a reward model's score (needs a reward-model service). Weight 0: logged and evaluated only.
+    E.g. {"env": 1.0, "rm": 0.5, "pkg.mod:fn": 0.2}."""
     correctness: str | None = None
     """The reward function that says whether an answer is right (one of `rewards`, `module:function`):
     held-out accuracy and pass@k count the completions where its value is at least 0.5, whatever else
@@ -104,10 +112,6 @@ class RolloutConfig(ServiceConfig):
     reward_timeout_s: float = 60.0
     """Time limit of one reward call (a batched function's call covers its whole batch); past it the
     samples fail, with the reason."""
-    rm_weight: float = 0.0
-    """Weight of the reward model's `rm_score` (> 0 needs a reward-model service)."""
-    env_weight: float = 0.0
-    """Weight of the environment's reward `env_reward` (> 0 needs an environment service: agents)."""
     max_prompt_len: int = 512
     """Tokens, the chat template and system prompt included; longer prompts are skipped and counted,
     and the run stops when most are."""
@@ -173,6 +177,11 @@ class RolloutConfig(ServiceConfig):
             yield "overlong_buffer: must be between 0 and overlong_max_len"
 
     @property
+    def functions(self) -> dict[str, float]:
+        """The reward functions of `rewards` (the other sources, "env" and "rm", are columns)."""
+        return {k: v for k, v in self.rewards.items() if k not in SOURCES}
+
+    @property
     def correctness_name(self) -> str | None:
         """The metric name of the correctness check (see `correctness`), or None."""
         spec = self.correctness or (next(iter(self.rewards)) if len(self.rewards) == 1 else None)
@@ -180,8 +189,8 @@ class RolloutConfig(ServiceConfig):
 
     def _reward_problems(self) -> Iterator[str]:
         for spec, weight in self.rewards.items():
-            if ":" not in spec:
-                yield f"rewards: {spec!r} must look like 'package.module:function'"
+            if ":" not in spec and spec not in SOURCES:
+                yield f"rewards: {spec!r} must look like 'package.module:function' (or be one of {SOURCES})"
             if not isinstance(weight, (int, float)) or weight < 0:
                 yield f"rewards: the weight of {spec!r} must be a number >= 0"
         if self.correctness is not None and self.correctness not in self.rewards:
@@ -189,19 +198,19 @@ class RolloutConfig(ServiceConfig):
         names = [metric_name(s) for s in self.rewards]
         for name in sorted({n for n in names if names.count(n) > 1}):
             yield f"rewards: two functions named {name!r}; their metrics would mix (wrap one under another name)"
-        if not (any(w > 0 for w in self.rewards.values()) or self.rm_weight > 0 or self.env_weight > 0):
+        if not any(w > 0 for w in self.rewards.values()):
             yield (
-                "rewards: nothing to train on: give a reward function a weight > 0, or set rm_weight > 0 "
-                "(or env_weight > 0 with an environment service)"
+                'rewards: nothing to train on: name a source with a weight > 0, e.g. {"pkg.mod:fn": 1.0} '
+                '(a reward function), {"env": 1.0} (an environment\'s reward) or {"rm": 1.0} (a reward model)'
             )
 
     def score_columns(self) -> tuple[str, ...]:
         """What a row needs before rollout can score it: the completion, and whatever the reward and
         advantage take from other services."""
         cols: tuple[str, ...] = (PROMPT, RESPONSE)
-        if self.rm_weight > 0:
+        if "rm" in self.rewards:
             cols += (RM_SCORE,)
-        if self.env_weight > 0:
+        if "env" in self.rewards:
             cols += (ENV_REWARD,)
         if self.kl_penalty.coef > 0:
             cols += (LOGPROBS, REF_LOGPROBS)
@@ -251,7 +260,7 @@ class RolloutConfig(ServiceConfig):
                         f"{name}: rows have no field {self.prompt_field!r} (fields: {sorted(fields)}); "
                         "set prompt_field"
                     )
-        for spec in self.rewards:
+        for spec in self.functions:
             module, _, fn = spec.partition(":")
             try:
                 if not callable(getattr(importlib.import_module(module), fn, None)):

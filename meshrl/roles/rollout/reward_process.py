@@ -10,58 +10,81 @@ keeps a few workers; a call past its time limit ends its worker, and the next ca
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
-import os
 import pickle
 import struct
+import subprocess
 import sys
+import threading
 from typing import Any
 
 _LEN = struct.Struct("<Q")
 
 
 class ProcessPool:
-    """Up to `size` worker processes, started when first needed, each running one call at a time."""
+    """Up to `size` worker processes, started when first needed, each running one call at a time. The
+    pipes are read on threads, so a pool outlives any event loop that used it."""
 
     def __init__(self, size: int) -> None:
-        self.idle: list[asyncio.subprocess.Process] = []
-        self.slots = asyncio.Semaphore(size)
+        self.size = size
+        self.idle: list[subprocess.Popen[bytes]] = []
+        self.io = concurrent.futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix="reward-io")
+        self.lock = threading.Lock()
+        self.slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     async def call(self, spec: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """`spec(*args, **kwargs)` in a worker. Cancelled (a time limit), it ends that worker."""
-        async with self.slots:
-            proc = self.idle.pop() if self.idle else await _start()
+        loop = asyncio.get_running_loop()
+        if self.slots is None or self.slots[0] is not loop:  # a semaphore of this loop's
+            self.slots = (loop, asyncio.Semaphore(self.size))
+        async with self.slots[1]:
+            proc = self._take()
             try:
-                assert proc.stdin is not None and proc.stdout is not None
                 data = pickle.dumps((spec, args, kwargs))
-                proc.stdin.write(_LEN.pack(len(data)) + data)
-                await proc.stdin.drain()
-                (n,) = _LEN.unpack(await proc.stdout.readexactly(_LEN.size))
-                ok, value = pickle.loads(await proc.stdout.readexactly(n))
+                ok, value = await loop.run_in_executor(self.io, _roundtrip, proc, data)
             except BaseException:
                 _kill(proc)
                 raise
-            self.idle.append(proc)
+            with self.lock:
+                self.idle.append(proc)
         if not ok:
             raise value
         return value
 
+    def _take(self) -> subprocess.Popen[bytes]:
+        with self.lock:
+            while self.idle:
+                proc = self.idle.pop()
+                if proc.poll() is None:
+                    return proc
+        cmd = [sys.executable, "-m", "meshrl.roles.rollout.reward_process"]
+        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
     def close(self) -> None:
-        for proc in self.idle:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for proc in idle:
             _kill(proc)
-        self.idle = []
+        self.io.shutdown(wait=False, cancel_futures=True)
 
 
-async def _start() -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "meshrl.roles.rollout.reward_process",
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env={**os.environ},
-    )  # fmt: skip
+def _roundtrip(proc: subprocess.Popen[bytes], data: bytes) -> tuple[bool, Any]:
+    """Send one call, read its answer (on an I/O thread)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(_LEN.pack(len(data)) + data)
+    proc.stdin.flush()
+    header = proc.stdout.read(_LEN.size)
+    if len(header) < _LEN.size:
+        raise RuntimeError(f"the reward worker process exited ({proc.poll()})")
+    (n,) = _LEN.unpack(header)
+    return pickle.loads(proc.stdout.read(n))
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
         proc.kill()
+        proc.wait()
 
 
 def main() -> None:

@@ -194,18 +194,22 @@ class Scoring:
             )
 
     async def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reward trained on: the reward functions' weighted sum + weighted reward-model score +
-        overlong penalty."""
+        """The reward trained on: the weighted sum of its sources (the reward functions, the reward
+        model's score, the environment's reward) + the overlong penalty."""
         cfg = self.cfg
         scored = await self.rewards(batch, self.rows)
-        self.log_functions(scored, len(batch))
         reward, valid = scored.total.clone(), scored.valid
-        if cfg.rm_weight > 0:
-            reward += cfg.rm_weight * batch.tensor(RM_SCORE).float()
-        if cfg.env_weight > 0:  # NaN: the environment failed on that trajectory
+        if "rm" in cfg.rewards:
+            rm = batch.tensor(RM_SCORE).float()
+            reward += cfg.rewards["rm"] * rm
+            self.metrics.add("reward/rm", rm)
+        if "env" in cfg.rewards:  # NaN: the environment failed on that trajectory
             env = batch.tensor(ENV_REWARD).float()
             valid = valid & env.isfinite()
-            reward += cfg.env_weight * env.nan_to_num(0.0)
+            reward += cfg.rewards["env"] * env.nan_to_num(0.0)
+            if bool(env.isfinite().any()):
+                self.metrics.add("reward/env", env[env.isfinite()])
+        self.log_functions(scored, len(batch))
         if cfg.overlong_max_len is not None:
             lengths = batch.ragged(RESPONSE).lengths
             reward += filters.overlong_penalty(

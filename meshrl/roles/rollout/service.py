@@ -66,7 +66,7 @@ class RolloutService(Service):
         check_lengths(train_rows, encoded, cfg.max_prompt_len)
         workers = reward_functions.Workers(cfg.reward_threads, cfg.reward_timeout_s)
         self.rewards = rewards = Rewards(
-            tokenizer, reward_functions.load(cfg.rewards), cfg.prompt_field, workers
+            tokenizer, reward_functions.load(cfg.functions), cfg.prompt_field, workers
         )
         seed = ctx.recipe.seed * 7919 + ctx.replica.index
         wiring = ctx.wiring
