@@ -12,9 +12,14 @@ these are the names those declarations use:
               critic       VALUES                teacher       teacher_columns(prefix)
               env          a whole trajectory at once (agents): PROMPT, RESPONSE, LOGPROBS, LOSS_MASK,
                            TOKEN_VERSIONS, VERSION, GEN_S, GEN_BATCH, ENV_REWARD
+              agents       the same for an agent program's session, and SEGMENTS
     tasks     agents: rollout's trajectory starts (PROMPT, and the dataset row as TASK metadata)
     turns     agents: one row per turn; env writes PROMPT (the trajectory's ids so far) and its history
               (LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS after the first context), inference GENERATED
+    calls     agents' model calls through the endpoint (black-box agents): one row per call; the
+              endpoint writes PROMPT (the rendered request) with SAMPLING, SESSION and TO metadata,
+              inference GENERATED, the endpoint DELIVERED once the caller has the answer; the
+              agents service reads the delivered calls of its sessions into trajectories
     eval      the same flow for held-out prompts (PROMPT, then inference's columns)
     gate      the trainer's published weight versions (VERSION), which pace rollout
     control   run-wide events (EVENT: FINISHED or FAILED)
@@ -22,7 +27,8 @@ these are the names those declarations use:
     ring.<id>.<launch>            a colocation ring's requests, releases, grants (meshrl/runtime/colocation.py)
 
 Besides its columns a row carries metadata, a small dict (the keys below): who it belongs to and what
-it may be generated with. The data plane reads one key itself, GROUP, for whole-group claims.
+it may be generated with. The data plane reads two keys itself: GROUP, for whole-group claims, and TO,
+for claims of the rows addressed to one replica.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ CHECKPOINT = "checkpoint"
 CHECKPOINT_ACKS = "checkpoint_acks"
 TASKS = "tasks"
 TURNS = "turns"
+CALLS = "calls"
 
 # columns of samples (and eval)
 PROMPT = "prompt"
@@ -70,6 +77,15 @@ TRAJ_LOGPROBS = "traj_logprobs"
 """In `turns`: the behaviour logprobs of the trajectory's tokens so far (0 on the environment's)."""
 ENV_REWARD = "env_reward"
 """The environment's reward of a trajectory (NaN: the environment failed; the sample is invalid)."""
+
+SEGMENTS = "segments"
+"""Optional, per sample: the lengths of the independent token sequences its prompt + response hold (an
+agent's trajectory whose history was rewritten between calls; meshrl/envs/sessions.py). Each is trained
+as a sequence of its own (positions restart, no token attends across), under the sample's reward."""
+
+DELIVERED = "delivered"
+"""In `calls`: 1 when the caller got the answer, 0 when nobody was waiting for it any more (the endpoint
+replica that took the call restarted): the agents service leaves it out of the trajectory."""
 
 GENERATED = (RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH)
 """What inference writes."""
@@ -112,6 +128,15 @@ BY = "by"
 """str: on control, checkpoint-ack and ring rows, the process that wrote it."""
 FINAL = "final"
 """bool: on a gate row, the last version of the run."""
+TO = "to"
+"""str: the replicas a row is addressed to, joined by commas (`<group>-<index>`, a replica's name): a claim with an
+address gets only the rows whose TO names it (the endpoint replica that must answer a call, the
+agents replica whose session made it)."""
+SESSION = "session"
+"""str: on a call row, the session (one agent program's run) that made it."""
+SAMPLING = "sampling"
+"""str: on a call row, what the caller asked for, as a JSON object: temperature, top_p, max_tokens, seed
+(each optional: the run's own settings fill the rest)."""
 CARRIED = (GROUP, MEMBER, PROMPT_ID, EPOCH, MIN_VERSION)
 """What a trajectory's turn rows and its finished sample keep of the row that started it."""
 

@@ -19,8 +19,6 @@ REWARD_MODEL = "runs/arith-rm"
 
 
 def recipe() -> Recipe:
-    base = ppo_recipe().with_overrides(
-        ['rollout.rewards={"rm": 1, "meshrl.tasks.arith:reward": 0}']
-    )
+    base = ppo_recipe().with_overrides(['rollout.rewards={"rm": 1, "meshrl.tasks.arith:reward": 0}'])
     rm = ServiceGroup(id="reward_model", config=RewardModelConfig(model=REWARD_MODEL, threads=1))
     return dataclasses.replace(base, name="ppo_rm", groups=(*base.groups, rm))

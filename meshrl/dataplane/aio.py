@@ -127,8 +127,9 @@ class AsyncClient:
         group_size: int | None = None,
         timeout: float = 0.0,
         lease: float = 60.0,
+        address: str | None = None,
     ) -> Batch:
-        msg = P.Claim(partition, consumer, list(columns), n, min_n, group_size, timeout, lease)
+        msg = P.Claim(partition, consumer, list(columns), n, min_n, group_size, timeout, lease, address)
         # the controller answers a parked claim within `timeout`; the client's own guard is generous, since
         # it runs on this event loop, which a service may hold for minutes (a real model's generation
         # batch): a closed connection is noticed at once anyway

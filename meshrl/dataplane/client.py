@@ -260,14 +260,17 @@ class Client:
         group_size: int | None = None,
         timeout: float = 0.0,
         lease: float = 60.0,
+        address: str | None = None,
     ) -> Batch:
         """Up to n rows that have every listed column and that `consumer` has not claimed.
 
         Waits up to `timeout` seconds for at least `min_n` rows; returns an empty batch otherwise.
-        With `group_size`, only whole groups (rows sharing meta["group"]) are returned. Unless acked
+        With `group_size`, only whole groups (rows sharing meta["group"]) are returned; with `address`,
+        only rows addressed to it (meta["to"], addresses joined by commas, names it; a consumer name keeps the address it was
+        first claimed with). Unless acked
         within `lease` seconds, the rows return to the pool for this consumer name.
         """
-        msg = P.Claim(partition, consumer, list(columns), n, min_n, group_size, timeout, lease)
+        msg = P.Claim(partition, consumer, list(columns), n, min_n, group_size, timeout, lease, address)
         return self._batch(partition, consumer, self._call(msg, timeout + self.timeout))
 
     def stream(

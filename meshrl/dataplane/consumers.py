@@ -2,7 +2,9 @@
 
 Every consumer name sees the partition's rows independently, in the state held for it per slot:
 NOT_READY (some needed column missing), PARTIAL (ready, waiting for the rest of its group), READY
-(queued for this consumer), CLAIMED (leased to a claim), ACKED (done). Every change of that state
+(queued for this consumer), CLAIMED (leased to a claim), ACKED (done). A consumer with an address sees
+only the rows addressed to it (their metadata's "to", addresses joined by commas, set when the row is put):
+the replica of a service that must answer its own requests claims its own rows from a shared partition. Every change of that state
 happens here. A lease that expires puts its rows back at the front of the queue; acking an expired
 claim is an error, so a row is consumed at most once per consumer name. The queue holds chunks of (id,
 slot) pairs; an entry is live when the slot still holds that id in the expected state, so deleting rows
@@ -16,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +60,8 @@ class Consumer:
         group_size: int | None,
         row_id: np.ndarray,
         group: np.ndarray,
+        address: str | None = None,
+        meta: list[Any] | None = None,
     ) -> None:
         self.name = name
         self.columns = columns
@@ -64,6 +69,8 @@ class Consumer:
         self.group_size = group_size
         self.row_id = row_id
         self.group = group
+        self.address = address
+        self.meta = meta  # the partition's per-slot metadata (read for the address)
         self.state = np.zeros(len(row_id), dtype=np.int8)
         self.ready: deque[Chunk] = deque()
         self.partial: dict[int, list[tuple[int, int]]] = {}  # group -> (id, slot)
@@ -77,6 +84,12 @@ class Consumer:
         """Queue rows (`ids`: their row ids, when the caller has them at hand)."""
         if not len(slots):
             return
+        if self.address is not None:
+            mine = np.array([self._addressed(s) for s in slots.tolist()], dtype=bool)
+            slots = slots[mine]
+            ids = None if ids is None else ids[mine]
+            if not len(slots):
+                return
         if ids is None:
             ids = self.row_id[slots]
         if self.group_size is None:
@@ -95,6 +108,11 @@ class Consumer:
                 self.state[chunk.slots] = READY
                 self.ready.append(chunk)
                 self.nready += g
+
+    def _addressed(self, slot: int) -> bool:
+        m = self.meta[slot] if self.meta is not None else None
+        to = m.get("to") if m else None
+        return isinstance(to, str) and self.address in to.split(",")
 
     def new_rows(self, slots: np.ndarray, ids: np.ndarray, mask: int) -> None:
         """Rows just put, all with the columns in `mask`: queued if they hold every column read here."""

@@ -284,7 +284,7 @@ class Controller:
         if msg.group_size is not None and msg.group_size > msg.n:
             raise P.ProtocolError(f"claim of n={msg.n} rows can never hold a group of {msg.group_size}")
         P.positive_seconds(msg.lease, "lease")
-        c = part.consumer(msg.consumer, msg.columns, msg.group_size)
+        c = part.consumer(msg.consumer, msg.columns, msg.group_size, msg.address)
         reply = self._try_claim(conn, part, c, msg)
         if reply is not None:
             return reply

@@ -131,6 +131,7 @@ class Claim(msgspec.Struct, tag="claim", frozen=True):
     group_size: int | None = None
     timeout: float = 0.0
     lease: float = 60.0
+    address: str | None = None  # only rows whose meta["to"] (addresses joined by commas) names this one
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

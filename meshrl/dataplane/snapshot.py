@@ -45,6 +45,7 @@ class ConsumerState(msgspec.Struct):
     columns: list[str]
     group_size: int | None
     state: bytes  # int8 per row
+    address: str | None = None
 
 
 class PartitionState(msgspec.Struct):
@@ -100,7 +101,9 @@ def save(ctl: Controller, path: Path) -> None:
         for c in part.consumers.values():
             st = c.state[slots].copy()
             st[(st == CLAIMED) | (st == PARTIAL)] = READY
-            consumers.append(ConsumerState(c.name, c.columns, c.group_size, st.astype(np.int8).tobytes()))
+            consumers.append(
+                ConsumerState(c.name, c.columns, c.group_size, st.astype(np.int8).tobytes(), c.address)
+            )
         parts.append(
             PartitionState(
                 part.name,
@@ -179,7 +182,7 @@ def _load_partition(ctl: Controller, ps: PartitionState) -> None:
         for s in seg[has].tolist():
             ctl.segments.info[s].refs += 1
     for cons in ps.consumers:
-        c = part.add_consumer(cons.name, cons.columns, cons.group_size)
+        c = part.add_consumer(cons.name, cons.columns, cons.group_size, cons.address)
         st = np.frombuffer(cons.state, dtype=np.int8)
         c.state[:n] = np.where(st == ACKED, ACKED, NOT_READY)
         c.mark_ready(slots[st == READY])

@@ -75,8 +75,10 @@ class Partition:
             col = self.columns[name] = Column.new(name, len(self.columns), self.capacity)
         return col
 
-    def consumer(self, name: str, columns: list[str], group_size: int | None) -> Consumer:
-        """The consumer of that name, declared on first use with its columns and grouping."""
+    def consumer(
+        self, name: str, columns: list[str], group_size: int | None, address: str | None = None
+    ) -> Consumer:
+        """The consumer of that name, declared on first use with its columns, grouping and address."""
         c = self.consumers.get(name)
         if c is None:
             if group_size is not None and group_size < 1:
@@ -85,24 +87,33 @@ class Partition:
                 raise TableError(
                     "bad_request", f"consumer {name!r}: columns {columns} must be non-empty, unique"
                 )
-            c = self.add_consumer(name, columns, group_size)
+            c = self.add_consumer(name, columns, group_size, address)
             live = np.flatnonzero(self.row_id >= 0)
             live = live[np.argsort(self.row_id[live], kind="stable")]
             c.mark_ready(live[(self.mask[live] & c.need) == c.need])
-        elif (c.columns != columns and sorted(c.columns) != sorted(columns)) or c.group_size != group_size:
+        elif (
+            (c.columns != columns and sorted(c.columns) != sorted(columns))
+            or c.group_size != group_size
+            or c.address != address
+        ):
             raise TableError(
                 "conflict",
-                f"consumer {name!r} of partition {self.name!r} was declared with columns {c.columns} "
-                f"and group_size {c.group_size}; this claim asks for {columns} and {group_size}",
+                f"consumer {name!r} of partition {self.name!r} was declared with columns {c.columns}, "
+                f"group_size {c.group_size} and address {c.address}; this claim asks for {columns}, "
+                f"{group_size} and {address}",
             )
         return c
 
-    def add_consumer(self, name: str, columns: list[str], group_size: int | None) -> Consumer:
+    def add_consumer(
+        self, name: str, columns: list[str], group_size: int | None, address: str | None = None
+    ) -> Consumer:
         """A new consumer, nothing queued yet (a column nobody wrote yet is declared now)."""
         need = 0
         for col in columns:
             need |= 1 << self.declare(col).bit
-        c = self.consumers[name] = Consumer(name, list(columns), need, group_size, self.row_id, self.group)
+        c = self.consumers[name] = Consumer(
+            name, list(columns), need, group_size, self.row_id, self.group, address, self.meta
+        )
         return c
 
     # ---------------------------------------------------------------------------------------------------

@@ -66,11 +66,15 @@ def pack(
     returns: Ragged | None = None,
     teachers: dict[str, tuple[Ragged, Ragged, Ragged]] | None = None,
     loss_mask: Ragged | None = None,
+    segments: Ragged | None = None,
 ) -> TrainBatch:
     """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
 
     `advantages` is one value per row (outcome estimators) or a ragged column with one per response
-    token (GAE). Vectorised over rows: a few index computations whatever the batch size.
+    token (GAE). `segments`: per row, the lengths of the independent sequences its prompt + response
+    hold (an agent's trajectory whose history was rewritten between calls, meshrl/envs/sessions.py):
+    their positions restart at 0, so no token attends across them. Vectorised over rows: a few index
+    computations whatever the batch size.
     """
     p, r = (x if isinstance(x, Ragged) else Ragged.from_list(x) for x in (prompts, responses))
     n = len(p)
@@ -106,8 +110,24 @@ def pack(
         for name, (top_ids, top_lp, sampled) in (teachers or {}).items()
     }
     return TrainBatch(
-        ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill
-    )
+        ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill,
+        position_ids=_segment_positions(segments, width),
+    )  # fmt: skip
+
+
+def _segment_positions(segments: Ragged | None, width: int) -> torch.Tensor | None:
+    """[n, width] positions restarting at every segment (and at the padding after the last); None when
+    no row has more than one segment."""
+    if segments is None or not bool((segments.lengths > 1).any()):
+        return None
+    pos = torch.arange(width).repeat(len(segments), 1)
+    for r in torch.nonzero(segments.lengths > 1).flatten().tolist():
+        start = 0
+        for n in segments[r].tolist():
+            pos[r, start : start + n] = torch.arange(n)
+            start += n
+        pos[r, start:] = torch.arange(width - start)
+    return pos
 
 
 def _positions(lengths: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,17 +175,25 @@ def _packed_rows(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -
     """The samples `rows` of `batch` laid end to end, one list per row, right-padded."""
     width = max(sum(lengths[i] for i in r) for r in rows)
     src = torch.full((len(rows), width), -1)  # sample of each token (-1: padding)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)  # its position in the sample
+    pos = torch.zeros((len(rows), width), dtype=torch.long)  # its position id (0 where a sequence starts)
+    at = torch.zeros((len(rows), width), dtype=torch.long)  # its column in the sample's row of `batch`
     for r, samples in enumerate(rows):
         start = 0
         for i in samples:
             src[r, start : start + lengths[i]] = i
-            pos[r, start : start + lengths[i]] = torch.arange(lengths[i])
+            own = (
+                torch.arange(lengths[i])
+                if batch.position_ids is None
+                else batch.position_ids[i, : lengths[i]]
+            )
+            pos[r, start : start + lengths[i]] = own
+            at[r, start : start + lengths[i]] = torch.arange(lengths[i])
             start += lengths[i]
         pos[r, start:] = torch.arange(width - start)  # padding: a sequence of its own
     real = src >= 0
-    sample, col = src.clamp_min(0), pos.clamp(max=batch.input_ids.shape[1] - 2)
-    predicts = real[:, :-1] & (src[:, :-1] == src[:, 1:])  # position t predicts a token of its sample
+    sample, col = src.clamp_min(0), at.clamp(max=batch.input_ids.shape[1] - 2)
+    # position t predicts a token of its own sample (and of its own segment: one starts at position 0)
+    predicts = real[:, :-1] & (src[:, :-1] == src[:, 1:]) & (pos[:, 1:] != 0)
 
     def tokens(x: torch.Tensor | None) -> Any:
         if x is None:
@@ -175,7 +203,7 @@ def _packed_rows(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -
         return torch.where(keep, picked, torch.zeros((), dtype=picked.dtype))
 
     return TrainBatch(
-        input_ids=torch.where(real, batch.input_ids[sample, pos.clamp(max=batch.input_ids.shape[1] - 1)], 0),
+        input_ids=torch.where(real, batch.input_ids[sample, at.clamp(max=batch.input_ids.shape[1] - 1)], 0),
         attention_mask=real.long(),
         mask=tokens(batch.mask),
         old_logprobs=tokens(batch.old_logprobs),

@@ -63,6 +63,9 @@ class Read:
     """A row is deleted once this consumer (and every other retaining one) has acknowledged it."""
     per_replica: bool = False
     """Every replica reads every row (rollout counts every gate), under "<replica>-<consumer>"."""
+    addressed: bool = False
+    """Each replica reads only the rows addressed to it (their TO metadata names the replica), under
+    "<replica>-<consumer>": the endpoint's answers, an environment replica's sessions' calls."""
     deletes: bool = False
     """The service deletes rows it claimed before others are done writing into them (dynamic
     sampling): the planner checks that nobody writes a column there that this read does not wait for."""
@@ -87,10 +90,15 @@ class Claim:
     columns: tuple[str, ...]
     per_replica: bool = False
     retains: bool = False
+    addressed: bool = False
 
     def consumer_of(self, replica: str) -> str:
         """The consumer name replica `replica` claims under."""
-        return f"{replica}-{self.consumer}" if self.per_replica else self.consumer
+        return f"{replica}-{self.consumer}" if self.per_replica or self.addressed else self.consumer
+
+    def address_of(self, replica: str) -> str | None:
+        """The address replica `replica` claims with (None: every row)."""
+        return replica if self.addressed else None
 
 
 @dataclass(frozen=True)
@@ -117,6 +125,9 @@ class Wiring:
     """The weight group this group publishes to or receives from."""
     inputs: dict[str, Any] = field(default_factory=dict)
     """The settings it needs, by name, from the group that offers them."""
+    providers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """By the name of each setting it needs: the groups offering it (the agents service finds
+    the endpoint's replicas this way)."""
 
     def claim(self, port: str) -> Claim:
         try:
@@ -142,7 +153,8 @@ PRODUCER_HINTS = {
     VALUES: "add a critic service group (or enable the trainer's value head)",
     REF_LOGPROBS: "add a reference service group",
     RM_SCORE: "add a reward-model service group",
-    ENV_REWARD: "add an environment service group (meshrl.roles.env.config.EnvConfig)",
+    ENV_REWARD: "add an environment service group (meshrl.roles.env.config.EnvConfig) or an agents group "
+    "and an endpoint (meshrl.roles.agents.config.AgentsConfig, meshrl.roles.endpoint.config.EndpointConfig)",
     **dict.fromkeys(teacher_columns("teacher"), "add a teacher service group"),
 }
 READER_HINTS = {
@@ -168,9 +180,16 @@ def wire(recipe: Recipe) -> tuple[dict[str, Wiring], list[str]]:
     problems += _unread(outputs, claims)
     problems += _late_writers(reads, claims, outputs)
     weights = _weights(recipe, problems)
-    inputs = _inputs(recipe, problems)
+    inputs, providers = _inputs(recipe, problems)
     wiring = {
-        g.id: Wiring(g.id, claims[g.id], outputs[g.id], weights.get(g.id), inputs.get(g.id, {}))
+        g.id: Wiring(
+            g.id,
+            claims[g.id],
+            outputs[g.id],
+            weights.get(g.id),
+            inputs.get(g.id, {}),
+            providers.get(g.id, {}),
+        )
         for g in recipe.groups
     }
     return wiring, problems
@@ -233,7 +252,7 @@ def _claims(
                         f"groups[{gid!r}].config reads {where}.{c}, which no service writes: {hint}"
                     )
         columns = r.columns + tuple(c for c in r.optional if (part, c) in written and c not in r.columns)
-        out[r.port] = Claim(part, r.consumer or gid, columns, r.per_replica, r.retains)
+        out[r.port] = Claim(part, r.consumer or gid, columns, r.per_replica, r.retains, r.addressed)
     return out
 
 
@@ -311,13 +330,17 @@ def _weights(recipe: Recipe, problems: list[str]) -> dict[str, Weights]:
     return out
 
 
-def _inputs(recipe: Recipe, problems: list[str]) -> dict[str, dict[str, Any]]:
-    """What each group needs from others, from the groups that offer it (all of which must agree)."""
+def _inputs(
+    recipe: Recipe, problems: list[str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, tuple[str, ...]]]]:
+    """What each group needs from others, from the groups that offer it (all of which must agree), and
+    which groups those are."""
     offered: dict[str, dict[str, Any]] = {}  # name -> group -> value
     for g in recipe.groups:
         for name, value in g.config.offers().items():
             offered.setdefault(name, {})[g.id] = value
     out: dict[str, dict[str, Any]] = {}
+    providers: dict[str, dict[str, tuple[str, ...]]] = {}
     for g in recipe.groups:
         for name, hint in g.config.needs().items():
             offers = {gid: v for gid, v in offered.get(name, {}).items() if gid != g.id}
@@ -330,4 +353,5 @@ def _inputs(recipe: Recipe, problems: list[str]) -> dict[str, dict[str, Any]]:
                 )
             else:
                 out.setdefault(g.id, {})[name] = values[0]
-    return out
+                providers.setdefault(g.id, {})[name] = tuple(sorted(offers))
+    return out, providers

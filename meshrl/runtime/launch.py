@@ -192,7 +192,7 @@ class Launcher:
             ready.unlink(missing_ok=True)
             bind = f"tcp://{bind_host}:{topology.controller_port}"
             args = ["--no-storage", "--controller", bind, "--ready-file", str(ready),
-                    "--ledger", str(self.run_dir / "ledger.jsonl")]  # fmt: skip
+                    "--ledger", str(self.run_dir / "ledger.jsonl"), "--ledger-partitions", "samples,calls"]  # fmt: skip
             started.append((Child("controller", [*serve, *args], self.logs / "controller.log", env), ready))
         storage = [(host, port) for host, rank, port in topology.storage if rank in self.ranks]
         for host, port in storage:  # storage servers wait for the controller themselves

@@ -49,5 +49,5 @@ def build_engine(
 
 def row_seed(recipe_seed: int, key: tuple[int, int, int], member: int) -> int:
     """The sampling seed of one row: (0, group, turn) for training rows, (1, version, prompt) for
-    evaluation rows (`meshrl eval` samples with the same seeds as the run's evaluation at version 0)."""
+    evaluation rows, (2, seed, 0) or (3, row, 0) for an agent's call (`meshrl eval` samples with the same seeds as the run's evaluation at version 0)."""
     return hash((recipe_seed, *key, member)) % 2**63

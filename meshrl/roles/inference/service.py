@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from meshrl.schema import (
     PROMPT,
     PROMPT_ID,
     RESPONSE,
+    SAMPLING,
     TURN,
     VERSION,
 )
@@ -71,6 +73,15 @@ class Waiting:
     batch: Batch
     rows: list[int]
     renewed: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Want:
+    """How a row is to be generated."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
 
 
 @dataclass
@@ -196,7 +207,15 @@ class InferenceService(Service):
             await self.hold_devices()
             what = "evaluation" if work.port == "evaluate" else "prompt"
             self.phase(f"generating {len(ready)} {what} rows with version {version}")
+            t0 = time.perf_counter()
             columns = self.generate(work.batch, ready, evaluation=work.port == "evaluate")
+            if work.port == "evaluate":
+                self.log.info(
+                    "%d evaluation rows with version %d in %.1f s",
+                    len(ready),
+                    version,
+                    time.perf_counter() - t0,
+                )
             self.safe_point()
             ids = work.batch.ids[ready]
             await put_missing_async(client, work.batch.partition, columns, ids)
@@ -274,8 +293,9 @@ class InferenceService(Service):
 
     def row_seeds(self, batch: Batch, rows: list[int]) -> list[int]:
         """A sampling seed per row from the row's identity (rollout's group sequence and member, or the
-        evaluation's version, prompt and member), not from this process's history or batch: a resumed
-        run, or a row that lands in another batch, samples the same tokens."""
+        evaluation's version, prompt and member; an agent's call: the seed it asked for, else its row),
+        not from this process's history or batch: a resumed run, or a row that lands in another batch,
+        samples the same tokens."""
         seeds = []
         groups, members = batch.meta_of(GROUP), batch.meta_of(MEMBER, 0)
         versions, prompts, turns = (
@@ -283,8 +303,12 @@ class InferenceService(Service):
             batch.meta_of(PROMPT_ID, 0),
             batch.meta_of(TURN, 0),
         )
+        asked = [json.loads(a) if a else None for a in batch.meta_of(SAMPLING)]
         for i in rows:
-            if groups[i] is None:  # evaluation rows
+            if (a := asked[i]) is not None:  # an agent's call: its own seed, or one of its row's
+                seed = a.get("seed")
+                key = (2, int(seed), 0) if seed is not None else (3, int(batch.ids[i]), 0)
+            elif groups[i] is None:  # evaluation rows
                 key = (1, int(versions[i] or 0), int(prompts[i] or 0))
             else:  # a trajectory's turns differ by their number
                 key = (0, int(groups[i]), int(turns[i] or 0))
@@ -296,8 +320,7 @@ class InferenceService(Service):
         new weights and record both versions; a batch preempted in a ring starts again once the devices
         are back."""
         prompts = [batch.ragged(PROMPT)[i].tolist() for i in rows]
-        flags = batch.meta_of(GREEDY, False)
-        greedy = [bool(flags[i]) and evaluation for i in rows]
+        wants = self.sampling(batch, rows, evaluation)
         seeds = self.row_seeds(batch, rows)
         out = Completions.empty(len(rows))
         interrupt = self.interruption(evaluation)
@@ -306,7 +329,7 @@ class InferenceService(Service):
         while todo:
             with self.receiver.lock:
                 version = self.engine.version
-                for same, params in self.buckets(todo, greedy, out, seeds[0]):
+                for same, params in self.buckets(todo, wants, out, seeds[0]):
                     done = self.engine.generate(
                         [prompts[i] + out.tokens[i] for i in same], params, interrupt=interrupt,
                         seeds=[(seeds[i] * 4099 + len(out.tokens[i])) % 2**63 for i in same],
@@ -316,10 +339,7 @@ class InferenceService(Service):
                         out.last[i] = version
                         out.tokens[i] += c.tokens
                         out.logprobs[i] += c.logprobs
-                        if (
-                            c.finish_reason != FINISH_INTERRUPTED
-                            or len(out.tokens[i]) >= self.config.max_new_tokens
-                        ):
+                        if c.finish_reason != FINISH_INTERRUPTED or len(out.tokens[i]) >= wants[i].max_tokens:
                             todo.remove(i)
             if todo and self.preempted():
                 self.start_again(out, todo)
@@ -337,27 +357,41 @@ class InferenceService(Service):
             checks.append(self.ring.preempt.is_set)
         return (lambda: any(c() for c in checks)) if checks else None
 
-    def buckets(
-        self, todo: list[int], greedy: list[bool], out: Completions, seed: int
-    ) -> Iterator[tuple[list[int], SamplingParams]]:
-        """The rows to generate together and their parameters: greedy apart from sampled, and by the
-        tokens each has left (a continued row has fewer)."""
-        cfg = self.config
-        for mode in (False, True):
-            index = [i for i in todo if greedy[i] == mode]
-            for left in sorted({cfg.max_new_tokens - len(out.tokens[i]) for i in index}):
-                same = [i for i in index if cfg.max_new_tokens - len(out.tokens[i]) == left]
-                temperature = 0.0 if mode else self.ctx.recipe.temperature
-                yield (
-                    same,
-                    SamplingParams(
-                        temperature=temperature,
-                        top_k=cfg.top_k,
-                        top_p=cfg.top_p,
-                        max_new_tokens=left,
-                        seed=seed,
-                    ),
+    def sampling(self, batch: Batch, rows: list[int], evaluation: bool) -> list[Want]:
+        """What each row is generated with: the run's settings (greedy for a greedy evaluation row), or
+        what an agent's call asked for (its SAMPLING metadata; max_tokens capped at max_new_tokens)."""
+        cfg, temperature = self.config, self.ctx.recipe.temperature
+        greedy, asked = batch.meta_of(GREEDY, False), batch.meta_of(SAMPLING)
+        wants = []
+        for i in rows:
+            a = json.loads(asked[i]) if asked[i] else {}
+            wants.append(
+                Want(
+                    0.0 if greedy[i] and evaluation else float(a.get("temperature", temperature)),
+                    float(a.get("top_p", cfg.top_p)),
+                    min(int(a.get("max_tokens") or cfg.max_new_tokens), cfg.max_new_tokens),
                 )
+            )
+        return wants
+
+    def buckets(
+        self, todo: list[int], wants: list[Want], out: Completions, seed: int
+    ) -> Iterator[tuple[list[int], SamplingParams]]:
+        """The rows to generate together and their parameters: by what they want and by the tokens each
+        has left (a continued row has fewer), at most max_batch at a time (an evaluation claims all its
+        rows at once)."""
+        cfg = self.config
+        keys = {
+            i: (wants[i].temperature, wants[i].top_p, wants[i].max_tokens - len(out.tokens[i])) for i in todo
+        }
+        for key in sorted(set(keys.values()), key=lambda k: (k[0] == 0.0, *k)):  # sampled rows first
+            same = [i for i in todo if keys[i] == key]
+            temperature, top_p, left = key
+            params = SamplingParams(
+                temperature=temperature, top_k=cfg.top_k, top_p=top_p, max_new_tokens=left, seed=seed
+            )
+            for start in range(0, len(same), cfg.max_batch):
+                yield same[start : start + cfg.max_batch], params
 
     def preempted(self) -> bool:
         return self.ring is not None and self.ring.preempt.is_set() and self.config.preempt == "abort"

@@ -190,7 +190,8 @@ class Scoring:
         if st.scored >= 4 * self.recipe.group_size and st.failed > cfg.max_failed_fraction * st.scored:
             raise RuntimeError(
                 f"{st.failed} of {st.scored} samples could not be scored (max_failed_fraction="
-                f"{cfg.max_failed_fraction}); first failure:\n{self.rewards.first_failure}"
+                f"{cfg.max_failed_fraction}); first failure:\n"
+                f"{self.rewards.first_failure or 'the environment or agent program (its service log says why)'}"
             )
 
     async def total_rewards(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

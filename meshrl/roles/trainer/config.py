@@ -32,6 +32,7 @@ from meshrl.schema import (
     RESPONSE,
     REWARD,
     SAMPLES,
+    SEGMENTS,
     TOKEN_REWARDS,
     VALID,
     VERSION,
@@ -139,7 +140,14 @@ class TrainerConfig(ServiceConfig):
     def reads(self) -> tuple[Read, ...]:
         # agents' trajectories carry a loss mask (the environment's tokens are not trained)
         return (
-            Read("train", SAMPLES, self.columns(), consumer="trainer", optional=(LOSS_MASK,), retains=True),
+            Read(
+                "train",
+                SAMPLES,
+                self.columns(),
+                consumer="trainer",
+                optional=(LOSS_MASK, SEGMENTS),
+                retains=True,
+            ),
         )
 
     def writes(self) -> tuple[Write, ...]:

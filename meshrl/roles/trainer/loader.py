@@ -23,6 +23,7 @@ from meshrl.schema import (
     REF_LOGPROBS,
     RESPONSE,
     REWARD,
+    SEGMENTS,
     TOKEN_REWARDS,
     VALID,
     VERSION,
@@ -56,6 +57,7 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
             for name in (cfg.distill.teachers if cfg.distill.active else ())
         },
         loss_mask=batch.ragged(LOSS_MASK) if LOSS_MASK in batch else None,
+        segments=batch.ragged(SEGMENTS) if SEGMENTS in batch else None,
     )
     versions = batch.tensor(VERSION)
     summary = {

@@ -237,3 +237,19 @@ def test_row_index_lookup_spans_entries() -> None:
         index.add(np.asarray(ids), np.asarray(slots), row_id)
     got = index.find(np.asarray([20, 3, 10, 6, 2, 9, 21, 5]), row_id)
     assert got.tolist() == [15, 0, 3, -1, -1, 7, -1, 2]
+
+
+def test_an_addressed_consumer_sees_only_the_rows_addressed_to_it() -> None:
+    part = Partition("p", 8, [])
+    to = [{"to": "a.0,b.1"}, {"to": "a.1"}, {}, {"to": "a.0"}]
+    ids, _ = part.put(0, SEG, 4, [write("x", 4)], None, to, 0)
+    early = part.consumer("a0", ["x", "y"], None, "a.0")  # declared before its column is there
+    late = part.consumer("a1", ["x"], None, "a.1")  # declared after the rows came
+    everyone = part.consumer("all", ["x"], None)
+    assert part.claim(late, 8, 60.0, 1).ids.tolist() == [ids[1]]  # type: ignore[union-attr]
+    assert part.claim(everyone, 8, 60.0, 2).ids.tolist() == ids.tolist()  # type: ignore[union-attr]
+    assert part.claim(early, 8, 60.0, 3) is None
+    part.put(0, SEG, 4, [write("y", 4)], ids.astype("<i8").tobytes(), None, 4)
+    assert part.claim(early, 8, 60.0, 4).ids.tolist() == [ids[0], ids[3]]  # type: ignore[union-attr]
+    with pytest.raises(TableError, match="address"):
+        part.consumer("a0", ["x", "y"], None, "a.1")
