@@ -358,3 +358,36 @@ def test_packing_precision_and_lora_settings_are_checked_at_load_time():
     ):
         with pytest.raises(RecipeError, match=field):
             TrainerConfig(model=".", **{"memory": packed, **bad})  # type: ignore[arg-type]
+
+
+def test_a_sample_in_segments_trains_as_its_segments_would_apart(tiny_model):
+    """An agent's trajectory whose history was rewritten is one sample in two segments: positions
+    restart at the second and no token attends across, so (token-mean) its loss and gradients are those
+    of the two segments as samples of their own, under the same advantage."""
+    from meshrl.dataplane import Ragged
+
+    p1, r1, p2, r2 = (torch.tensor(x) for x in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [4, 6, 8]))
+    lp1, lp2 = torch.tensor([-0.5, -0.7]), torch.tensor([-0.2, -0.9, -1.1])
+    whole = pack(
+        [p1], [torch.cat([r1, p2, r2])], [torch.cat([lp1, torch.zeros(4), lp2])], torch.tensor([0.7]),
+        torch.ones(1), loss_mask=Ragged.from_list([torch.tensor([1, 1, 0, 0, 0, 0, 1, 1, 1])]),
+        segments=Ragged.from_list([torch.tensor([5, 7])]),
+    )  # fmt: skip
+    assert whole.position_ids is not None and whole.position_ids[0].tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+    ]
+    apart = pack([p1, p2], [r1, r2], [lp1, lp2], torch.tensor([0.7, 0.7]), torch.ones(2))
+    one = update_grads(engine_with(tiny_model, micro_batch=4), whole, Step())
+    two = update_grads(engine_with(tiny_model, micro_batch=4), apart, Step())
+    assert_same_update(one, two, 1e-5)

@@ -1,0 +1,190 @@
+"""Agent programs trained through the endpoint (real processes, CPU, the tiny model): the `openai`
+client drives the endpoint; a session's calls become one sample (joined, or split into segments);
+programs that fail are counted and never trained; kills of the endpoint or the agents service lose
+and repeat nothing."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from meshrl.dataplane.ledger import account, records
+from tests.integration.fault.test_kill import kill_repeatedly, start
+from tests.integration.grpo.test_grpo import REPO, rows, run
+
+RECIPE = str(REPO / "recipes" / "agent_program.py")
+SMALL = ["prompts_per_step=4", "group_size=4", "rollout.eval_every=0"]
+PROGRAMS = "tests.integration.agents.programs"
+
+
+def counts(run_dir: Path, service: str) -> dict:
+    """The counts a service logs at its end (`calls: {...}` / `agents: {...}`)."""
+    text = "".join(p.read_text() for p in (run_dir / "logs").glob(f"{service}-*.log"))
+    found = re.findall(rf"{'calls' if service == 'endpoint' else 'agents'}: (\{{.*?\}})", text)
+    assert found, text[-2000:]
+    total: dict = {}
+    for d in found:
+        for k, v in ast.literal_eval(d).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def endpoint_url(run_dir: Path, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in (run_dir / "logs").glob("endpoint-*.log"):
+            m = re.search(r"serving (http://\S+/v1)", log.read_text())
+            if m:
+                return m.group(1)
+        time.sleep(0.1)
+    raise AssertionError("the endpoint never said where it serves")
+
+
+def calls_put_and_deleted(run_dir: Path) -> tuple[int, int]:
+    put = deleted = 0
+    for r in records(run_dir / "ledger.jsonl", "calls"):
+        put += r["n"] if r["op"] == "put" else 0
+        deleted += len(r["ids"]) if r["op"] == "del" else 0
+    return put, deleted
+
+
+def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path) -> None:
+    """Chat (plain and streamed), the token route and the model list through the `openai` package; bad
+    requests get OpenAI-style 4xx errors and write no row."""
+    run_dir, release = tmp_path / "run", tmp_path / "release"
+    args = {"release": str(release)}
+    proc = start(tmp_path, f"*.model={arith_model}", "total_steps=1", *SMALL, f"run_dir={run_dir}",
+                 f"agents.program={PROGRAMS}:hold", f"agents.program_args={json.dumps(args)}", recipe=RECIPE)  # fmt: skip
+    try:
+        url = endpoint_url(run_dir)
+        client = openai.OpenAI(base_url=url, api_key="unused-on-loopback", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["policy"]
+        hi = [{"role": "user", "content": "3+4="}]
+        answer = client.chat.completions.create(model="policy", messages=hi, max_tokens=3, seed=1,
+                                                extra_headers={"X-Session-ID": "test"})  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason in ("stop", "length") and answer.usage.completion_tokens <= 3
+        extra = answer.model_extra
+        assert len(choice.model_extra["token_ids"]) == answer.usage.completion_tokens
+        assert len(extra["meshrl"]["completion_logprobs"]) == answer.usage.completion_tokens
+        assert extra["meshrl"]["weight_version"] == [0, 0] and extra["prompt_token_ids"]
+        again = client.chat.completions.create(model="policy", messages=hi, max_tokens=3, seed=1)
+        assert again.choices[0].message.content == choice.message.content  # the caller's seed decides
+        # the next call of the session, sending back its history: joined to the tokens generated
+        follow = [
+            *hi,
+            {"role": "assistant", "content": choice.message.content},
+            {"role": "user", "content": "1+1="},
+        ]
+        joined = client.chat.completions.create(model="policy", messages=follow, max_tokens=3,
+                                                extra_headers={"X-Session-ID": "test"})  # fmt: skip
+        first_ids = extra["prompt_token_ids"] + choice.model_extra["token_ids"]
+        assert joined.model_extra["prompt_token_ids"][: len(first_ids)] == first_ids
+        chunks = list(client.chat.completions.create(model="policy", messages=hi, max_tokens=3, stream=True,
+                                                     stream_options={"include_usage": True}))  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage is not None and [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert isinstance(text, str)
+        tokens = httpx.post(f"{url.removesuffix('/v1')}/inference/v1/generate",
+                            json={"model": "policy", "token_ids": first_ids, "sampling_params": {"max_tokens": 2}})  # fmt: skip
+        assert tokens.status_code == 200 and len(tokens.json()["choices"][0]["token_ids"]) <= 2
+        good = 5
+        # bad input: 4xx with an OpenAI error body, and nothing written
+        with pytest.raises(openai.NotFoundError, match="not served here"):
+            client.chat.completions.create(model="gpt-4", messages=hi)
+        with pytest.raises(openai.BadRequestError, match="unsupported field"):
+            client.chat.completions.create(model="policy", messages=hi, extra_body={"beam_width": 4})
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            client.chat.completions.create(model="policy", messages=hi, n=2)
+        with pytest.raises(openai.BadRequestError, match="at most"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1" * 5000}])
+        broken = httpx.post(
+            f"{url}/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert broken.status_code == 400 and "not JSON" in broken.json()["error"]["message"]
+        bad = 5
+        release.touch()  # the programs go on; the run ends
+        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    served = counts(run_dir, "endpoint")
+    assert served["http_400"] + served["http_404"] == bad
+    put, deleted = calls_put_and_deleted(run_dir)
+    programs = counts(run_dir, "agents")["calls"]
+    assert put == good + programs == served["answered"], (put, good, programs, served)
+    assert (
+        deleted == put
+    )  # every call row is gone at the end: the test's (nobody's session) and the programs'
+
+
+@pytest.mark.parametrize(
+    ("program", "args", "splits"),
+    [("meshrl.tasks.arith.agent:solve", {"turns": 2}, False), ("meshrl.tasks.arith.agent:solve",
+     {"turns": 2, "rewrite": True}, True), (f"{PROGRAMS}:plain", {}, False), (f"{PROGRAMS}:own_client", {}, False)],
+    ids=["joined", "segments", "plain-function", "own-client"],
+)  # fmt: skip
+def test_every_task_trains_once_as_one_sample(
+    tmp_path: Path, arith_model: Path, program, args, splits
+) -> None:
+    steps, run_dir = 3, tmp_path / "run"
+    r = run(tmp_path, f"*.model={arith_model}", f"total_steps={steps}", *SMALL, f"run_dir={run_dir}",
+            f"agents.program={program}", f"agents.program_args={json.dumps(args)}", recipe=RECIPE)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    batch = 4 * 4
+    tally = account(run_dir / "ledger.jsonl")
+    assert (tally.consumed, tally.pending, tally.duplicated) == (steps * batch, 0, 0), tally
+    done = counts(run_dir, "agents")
+    turns = args.get("turns", 1)
+    assert done.get("failed", 0) == 0 and done["calls"] >= turns * steps * batch
+    assert (done.get("splits", 0) > 0) == splits, done
+    put, deleted = calls_put_and_deleted(run_dir)
+    assert deleted == put
+    # the trained completions hold both calls' answers where the calls joined or split
+    samples = rows(run_dir / "samples.jsonl")
+    if turns == 2:
+        assert all("<|user|>" in s["completion"] for s in samples), samples[:2]
+
+
+def test_failing_programs_are_counted_and_never_trained(tmp_path: Path, arith_model: Path) -> None:
+    steps, run_dir = 3, tmp_path / "run"
+    r = run(tmp_path, f"*.model={arith_model}", f"total_steps={steps}", "prompts_per_step=8", "group_size=4",
+            "rollout.eval_every=0", f"run_dir={run_dir}", f"agents.program={PROGRAMS}:flaky", "agents.timeout_s=10",
+            "rollout.max_failed_fraction=0.5", recipe=RECIPE)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = counts(run_dir, "agents")
+    assert done["failed"] > 0 and done["finished"] >= steps * 32, done
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("agents-*.log"))
+    assert "the agent broke on" in log and "timed out after 10s" in log and "not a reward" in log
+    assert done["failed_raised"] and done["failed_timeout"] and done["failed_bad_reward"], done
+
+
+@pytest.mark.parametrize("victim", ["endpoint", "agents"])
+def test_a_killed_endpoint_or_agents_service_loses_and_repeats_nothing(
+    tmp_path: Path, arith_model: Path, victim: str
+) -> None:
+    """SIGKILLed three times at seeded random moments, the service restarts alone each time. Agents: the
+    programs it ran start again under new sessions. Endpoint: callers' connections drop and the SDK
+    retries; the answers its predecessor had asked for are marked undelivered and never trained. Either
+    way every task ends as exactly one sample, trained once, and every call row is deleted."""
+    steps, run_dir = 8, tmp_path / "run"
+    proc = start(tmp_path, f"*.model={arith_model}", f"total_steps={steps}", *SMALL, f"run_dir={run_dir}",
+                 'agents.program_args={"turns": 2}', f"{victim}.restart.mode=on-failure",
+                 f"{victim}.restart.max_restarts=3", f"{victim}.restart.backoff_s=0.2", recipe=RECIPE)  # fmt: skip
+    kill_repeatedly(proc, run_dir, victim, random.Random(7), range(1, steps - 1), 3, within_s=0.3)
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    assert [r["group"] for r in rows(run_dir / "restarts.jsonl")] == [victim] * 3
+    tally = account(run_dir / "ledger.jsonl")
+    assert (tally.consumed, tally.pending, tally.duplicated) == (steps * 16, 0, 0), tally
