@@ -139,6 +139,14 @@ SAMPLING = "sampling"
 (each optional: the run's own settings fill the rest)."""
 CARRIED = (GROUP, MEMBER, PROMPT_ID, EPOCH, MIN_VERSION)
 """What a trajectory's turn rows and its finished sample keep of the row that started it."""
+MODEL_TURNS = "model_turns"
+"""int: on an agent's sample, the model turns (calls) of its trajectory; the trainer reports them."""
+SEQUENCES = "sequences"
+"""int: on an agent program's sample, its segments (1: every call joined the one before)."""
+TRUNCATED = "truncated"
+"""bool: on an environment's sample, the trajectory ran out of turns or tokens."""
+TRAJ_FAILED = "failed"
+"""bool: on an agent's sample, the environment or program failed (its reward is NaN)."""
 
 # colocation rings (one partition per ring and launch)
 RING_CAPACITY = 4096

@@ -60,6 +60,12 @@ CATALOGUE: dict[str, Metric] = {
     "dropped_stale": Metric(S, "samples dropped for exceeding max_staleness"),
     "no_signal_fraction": Metric(M, "share of samples in groups whose rewards all agree"),
     "continued": Metric(S, "samples generated across a weight update (interrupt=continue)"),
+    "agent/turns_mean": Metric(M, "model turns (calls) per agent trajectory"),
+    "agent/turns_max": Metric(X, "most model turns of a trajectory"),
+    "agent/sequences_mean": Metric(
+        M, "token sequences per agent program's sample (segments: 1 = all joined)"
+    ),
+    "agent/truncated": Metric(S, "trajectories cut at the environment's turn or token limit"),
     # the policy update (the engine's statistics, averaged over a step's mini-batches)
     "loss": Metric(M, "the policy's whole loss"),
     "pg_loss": Metric(M, "policy-gradient term"),

@@ -4,6 +4,7 @@ so a session's calls join, answers cut at stop strings and parsed for tool calls
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,19 @@ def test_answers_are_cut_at_stop_strings_and_parsed_for_tool_calls(tok) -> None:
         "completion_tokens": len(out.ids),
         "total_tokens": 2 + len(out.ids),
     }
+
+
+def test_agent_recipes_that_cannot_work_fail_at_start_up(tiny_model) -> None:
+    from meshrl.planning import prepare
+    from meshrl.planning.config import RecipeError
+
+    recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "agent_program.py")
+    prepare(recipe, [f"*.model={tiny_model}"])  # plans as shipped
+    with pytest.raises(RecipeError) as e:
+        prepare(recipe, [f"*.model={tiny_model}", "inference.max_new_tokens=200", "agents.program=nope",
+                         'agents.program_args={"turns": 2, "colour": "red"}', "rollout.rewards={}"])  # fmt: skip
+    text = str(e.value)
+    assert "leaves no room for a prompt beside a full answer of 200 tokens" in text  # 128 positions
+    assert "must look like 'package.module:function'" in text
+    with pytest.raises(RecipeError, match="cannot take"):
+        prepare(recipe, [f"*.model={tiny_model}", 'agents.program_args={"colour": "red"}'])

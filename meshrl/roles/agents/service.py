@@ -46,12 +46,15 @@ from meshrl.schema import (
     LOGPROBS,
     LOSS_MASK,
     MIN_VERSION,
+    MODEL_TURNS,
     PROMPT,
     RESPONSE,
     SEGMENTS,
+    SEQUENCES,
     SESSION,
     TASK,
     TOKEN_VERSIONS,
+    TRAJ_FAILED,
     VERSION,
 )
 
@@ -85,6 +88,7 @@ class AgentsService(Service):
         self.counts: Counter[str] = Counter()
         self.parts: dict[str, float] = {}
         self.times = {"life_s": 0.0, "gen_s": 0.0}
+        self.span: list[float] = []  # first start, last finish (wall clock; benchmarks/agent_gateway.py)
 
     @property
     def config(self) -> AgentsConfig:
@@ -204,6 +208,7 @@ class AgentsService(Service):
             api_key=self.ctx.secret or "meshrl",
         )
         t0 = time.time()
+        self.span = self.span or [t0, t0]
         self.counts["started"] += 1
         failure: tuple[str, str] | None = None
         parts: dict[str, float] = {}
@@ -297,8 +302,8 @@ class AgentsService(Service):
             GEN_BATCH: torch.tensor([int(calls[-1][0].tensor(GEN_BATCH)[calls[-1][1]]) if calls else 0]),
             ENV_REWARD: torch.tensor([reward], dtype=torch.float32),
         }
-        meta = {**{k: row.get(k) for k in CARRIED}, "turns": len(records), "segments": len(joined.segments),
-                "failed": failure is not None}  # fmt: skip
+        meta = {**{k: row.get(k) for k in CARRIED}, MODEL_TURNS: len(records), SEQUENCES: len(joined.segments),
+                TRAJ_FAILED: failure is not None}  # fmt: skip
         self.count(traj, len(records), joined.splits, parts, failure, life_s, gen_s)
         await client.put(self.ctx.wiring.partition("samples"), columns, meta=[meta], timeout=3600,
                          key=f"traj/{traj}")  # fmt: skip
@@ -315,6 +320,7 @@ class AgentsService(Service):
     ) -> None:
         c = self.counts
         c["finished"] += 1
+        self.span[1] = time.time()
         c["calls"] += calls
         c["splits"] += splits
         self.times["life_s"] += life_s
@@ -334,8 +340,9 @@ class AgentsService(Service):
             self.ctx.health.info["rewards"] = means
 
     def close(self) -> None:
-        if getattr(self, "counts", None):
+        if getattr(self, "span", None):
             self.log.info(
-                "agents: %s; %.1f s alive, %.1f s generating", dict(self.counts), *self.times.values()
-            )
+                "agents: %s; %.3f s from the first start to the last finish; trajectories' time: %.3f s "
+                "alive, %.3f s generating", dict(self.counts), self.span[1] - self.span[0], *self.times.values(),
+            )  # fmt: skip
         super().close()

@@ -257,6 +257,9 @@ class Generated:
     version: tuple[int, int]
     finish: str
     """"stop" or "length" (the answer's tool calls make it "tool_calls")."""
+    waited_s: float = 0.0
+    """From writing the call's row to having its answer: what a service writing the row itself would
+    wait too (the rest of a call's time is the endpoint's own: HTTP, rendering, parsing)."""
 
 
 def cut(

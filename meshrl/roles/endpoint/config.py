@@ -4,6 +4,7 @@ rows, for agents that are programs of their own (meshrl/roles/endpoint/service.p
 from __future__ import annotations
 
 import ipaddress
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,9 @@ class EndpointConfig(ServiceConfig):
     a tool role); such templates get the tool list in the system prompt, Hermes style."""
     max_prompt_tokens: int = 4096
     """A longer prompt is refused (HTTP 400)."""
+    context: int | None = None
+    """The model's context length in tokens; None: its config.json's max_position_embeddings. A prompt
+    must leave room in it for a full answer (inference.max_new_tokens)."""
     call_timeout_s: float = 600.0
     """A call not answered within this long gets HTTP 504 (inference stalled, or the run is ending)."""
 
@@ -74,4 +78,25 @@ class EndpointConfig(ServiceConfig):
         return {"model_calls": self.names[0]}
 
     def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
-        return [] if Path(self.model).exists() else [missing(self.model)]
+        if not Path(self.model).exists():
+            return [missing(self.model)]
+        turn = int(wiring.inputs.get("turn_tokens") or 0)
+        if self.prompt_limit(turn) < 1:
+            return [f"max_prompt_tokens: the model's context ({self.context_len()} positions) leaves no room for a "
+                    f"prompt beside a full answer of {turn} tokens (inference.max_new_tokens)"]  # fmt: skip
+        return []
+
+    def context_len(self) -> int | None:
+        """The model's context length: `context`, or its config.json's (read without transformers)."""
+        if self.context is not None:
+            return self.context
+        path = Path(self.model) / "config.json"
+        if not path.exists():
+            return None
+        value = json.loads(path.read_text()).get("max_position_embeddings")
+        return int(value) if isinstance(value, int) else None
+
+    def prompt_limit(self, max_new: int) -> int:
+        """The longest prompt served: max_prompt_tokens, within the model's context less a full answer."""
+        context = self.context_len()
+        return min(self.max_prompt_tokens, context - max_new) if context else self.max_prompt_tokens

@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import secrets
+import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -71,7 +72,7 @@ class EndpointService(Service):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.templates = Templates(self.tokenizer, tool_role=cfg.tool_role)
         self.max_new = int(ctx.wiring.inputs["turn_tokens"])
-        self.max_prompt = prompt_limit(cfg, self.max_new)
+        self.max_prompt = cfg.prompt_limit(self.max_new)
         self.port = ctx.process.ports[SPARE]
         self.sessions: OrderedDict[str, Turn] = OrderedDict()
         self.pending: dict[str, asyncio.Future[tuple[Batch, int]]] = {}
@@ -229,6 +230,7 @@ class EndpointService(Service):
             "session": session,
             "weight_version": list(out.version),
             "completion_logprobs": out.logprobs,
+            "waited_s": round(out.waited_s, 6),
         }
 
     def remember(self, session: str, turn: Turn) -> None:
@@ -254,6 +256,7 @@ class EndpointService(Service):
             SAMPLING: json.dumps({**call.sampling, "max_tokens": max_tokens}),
         }  # fmt: skip
         answer = self.pending[number] = asyncio.get_running_loop().create_future()
+        t0 = time.perf_counter()
         try:
             await client.put(self.ctx.wiring.partition("calls"), {PROMPT: [torch.tensor(ids, dtype=torch.int64)]},
                              meta=[meta], timeout=60)  # fmt: skip
@@ -272,6 +275,7 @@ class EndpointService(Service):
         first, last = (int(v) for v in batch.tensor(VERSION)[i].tolist())
         out = chat.cut(self.tokenizer, call, self.templates.stop, max_tokens, batch.ragged(RESPONSE)[i].tolist(),
                        batch.ragged(LOGPROBS)[i].tolist(), (first, last))  # fmt: skip
+        out.waited_s = time.perf_counter() - t0
         return number, out
 
     def respond(self, body: dict[str, Any], number: str) -> Any:
@@ -345,14 +349,6 @@ class EndpointService(Service):
         if getattr(self, "counts", None):
             self.log.info("calls: %s", dict(self.counts))
         super().close()
-
-
-def prompt_limit(cfg: EndpointConfig, max_new: int) -> int:
-    """The longest prompt served: max_prompt_tokens, within the model's context less a full answer."""
-    from transformers import AutoConfig
-
-    context = getattr(AutoConfig.from_pretrained(cfg.model), "max_position_embeddings", None)
-    return min(cfg.max_prompt_tokens, context - max_new) if context else cfg.max_prompt_tokens
 
 
 def _server(config: Any) -> Any:

@@ -43,11 +43,14 @@ from meshrl.schema import (
     LOGPROBS,
     LOSS_MASK,
     MIN_VERSION,
+    MODEL_TURNS,
     PROMPT,
     RESPONSE,
     TASK,
     TOKEN_VERSIONS,
+    TRAJ_FAILED,
     TRAJ_LOGPROBS,
+    TRUNCATED,
     TURN,
     VERSION,
 )
@@ -247,8 +250,8 @@ class EnvService(Service):
         columns[GEN_S] = torch.tensor([traj.gen_s], dtype=torch.float32)
         columns[GEN_BATCH] = torch.tensor([gen_batch], dtype=torch.int64)
         columns[ENV_REWARD] = torch.tensor([out.reward], dtype=torch.float32)
-        row = {**{k: meta.get(k) for k in CARRIED}, "turns": traj.turns, "truncated": out.truncated,
-               "failed": out.failed is not None}  # fmt: skip
+        row = {**{k: meta.get(k) for k in CARRIED}, MODEL_TURNS: traj.turns, TRUNCATED: out.truncated,
+               TRAJ_FAILED: out.failed is not None}  # fmt: skip
         self.count(out, int(meta[TRAJ]))
         now = time.time()
         if STARTED in meta:

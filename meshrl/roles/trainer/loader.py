@@ -19,12 +19,15 @@ from meshrl.schema import (
     GROUP,
     LOGPROBS,
     LOSS_MASK,
+    MODEL_TURNS,
     PROMPT,
     REF_LOGPROBS,
     RESPONSE,
     REWARD,
     SEGMENTS,
+    SEQUENCES,
     TOKEN_REWARDS,
+    TRUNCATED,
     VALID,
     VERSION,
     teacher_columns,
@@ -70,6 +73,11 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
         "continued": versions[:, 1] != versions[:, 0],
         "group": torch.tensor(batch.meta_of(GROUP, -1), dtype=torch.int64),
     }
+    turns = batch.meta_of(MODEL_TURNS)
+    if any(t is not None for t in turns):  # agents' trajectories
+        summary["turns"] = torch.tensor([t or 0 for t in turns], dtype=torch.float64)
+        summary["sequences"] = torch.tensor([s or 1 for s in batch.meta_of(SEQUENCES)], dtype=torch.float64)
+        summary["truncated"] = torch.tensor([bool(t) for t in batch.meta_of(TRUNCATED, False)])
     return MiniBatch(batch, packed, summary, versions[:, 0].clone())
 
 

@@ -40,6 +40,11 @@ def sample_metrics(parts: list[dict[str, torch.Tensor]], group: Any = None) -> d
     m.add("dropped_stale", rows["dropped"])
     m.add("no_signal_fraction", ~groups_with_signal(rows["reward"], rows["group"], rows["valid"]))
     m.add("continued", rows["continued"])
+    if "turns" in rows:  # agents' trajectories (the environment's or a program's)
+        m.add("agent/turns_mean", rows["turns"])
+        m.add("agent/turns_max", rows["turns"])
+        m.add("agent/sequences_mean", rows["sequences"])
+        m.add("agent/truncated", rows["truncated"])
     # each inference batch once (rows of one batch share its time); ranks may share batches: the max
     gen = dict(zip(rows["gen_batch"].tolist(), rows["gen_s"].tolist(), strict=True))
     m.add("time/generate_s", sum(gen.values()))

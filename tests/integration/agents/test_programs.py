@@ -150,6 +150,9 @@ def test_every_task_trains_once_as_one_sample(
     assert (done.get("splits", 0) > 0) == splits, done
     put, deleted = calls_put_and_deleted(run_dir)
     assert deleted == put
+    metrics = rows(run_dir / "metrics.jsonl")  # the agent figures, per step
+    assert all(m["agent/turns_mean"] == turns and m["agent/truncated"] == 0 for m in metrics), metrics[0]
+    assert all((m["agent/sequences_mean"] > 1) == splits for m in metrics), metrics[0]
     # the trained completions hold both calls' answers where the calls joined or split
     samples = rows(run_dir / "samples.jsonl")
     if turns == 2:
