@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,trackers,dashboard]'
+	$(PY) -m pip install -q -e '.[dev,trackers,dashboard,agents,verifiers]'
 	touch $(STAMP)
 
 # The main job: warm-start a tiny model on arithmetic, then GRPO through real services on CPU.

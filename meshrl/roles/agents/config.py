@@ -3,6 +3,7 @@ joined into trained samples (meshrl/roles/agents/service.py; programs: meshrl/en
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ class AgentsConfig(ServiceConfig):
     def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         from meshrl.envs.programs import load_program
 
+        if importlib.util.find_spec("openai") is None:
+            return ["agent programs' clients need openai: pip install 'meshrl[agents]'"]
         try:
             fn = load_program(self.program)
         except ValueError as e:

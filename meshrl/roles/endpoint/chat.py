@@ -37,6 +37,7 @@ GENERATE_FIELDS = {
 SAMPLING_FIELDS = {
     "temperature", "top_p", "max_tokens", "seed", "stop", "stop_token_ids", "logprobs",
     "skip_special_tokens", "n", "top_k", "min_tokens", "repetition_penalty", "include_stop_str_in_output",
+    "routed_experts_prompt_start",  # verifiers' client, continuing a turn: nothing to route here
 }  # fmt: skip
 
 

@@ -3,6 +3,7 @@ rows, for agents that are programs of their own (meshrl/roles/endpoint/service.p
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 from collections.abc import Iterator
@@ -80,6 +81,9 @@ class EndpointConfig(ServiceConfig):
     def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         if not Path(self.model).exists():
             return [missing(self.model)]
+        absent = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+        if absent:
+            return [f"the endpoint needs {' and '.join(absent)}: pip install 'meshrl[agents]'"]
         turn = int(wiring.inputs.get("turn_tokens") or 0)
         if self.prompt_limit(turn) < 1:
             return [f"max_prompt_tokens: the model's context ({self.context_len()} positions) leaves no room for a "

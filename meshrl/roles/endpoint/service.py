@@ -67,7 +67,9 @@ class EndpointService(Service):
         cfg, ctx = self.config, self.ctx
         if not cfg.loopback and not ctx.secret:
             raise ValueError(
-                f"endpoint.host={cfg.host} is reachable from other hosts and the run has no secret"
+                f"endpoint.host={cfg.host} is reachable from other hosts and the run has no secret to require: "
+                "set dataplane.bind_all=true (the run then has one, in <run_dir>/secret; callers send it as "
+                "their bearer token, the OpenAI SDK's api_key)"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.templates = Templates(self.tokenizer, tool_role=cfg.tool_role)
@@ -97,7 +99,7 @@ class EndpointService(Service):
         self.client = client = await AsyncClient.connect(
             self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name
         )
-        server = _server(uvicorn.Config(self.app(), host=self.config.host, port=self.port, log_level="warning",
+        server = _server(uvicorn.Config(self.app(), host=self.config.host, port=self.port, log_level="critical",
                                         access_log=False, lifespan="off"))  # fmt: skip
         jobs = [asyncio.create_task(server.serve()), asyncio.create_task(self.answers(client))]
         run_over = asyncio.create_task(self.watch_run(client))
@@ -129,7 +131,9 @@ class EndpointService(Service):
         return Starlette(routes=routes)
 
     def guard(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
-        """The handler, behind the secret (off loopback), with every ApiError as an OpenAI error body."""
+        """The handler, behind the secret (off loopback), with every ApiError as an OpenAI error body and any
+        other failure logged as a 500 (calls cut short by the run's end are not failures: uvicorn's own
+        log, which would report each, stays quiet)."""
         from starlette.responses import JSONResponse
 
         async def endpoint(request: Any) -> Any:
@@ -146,6 +150,12 @@ class EndpointService(Service):
                 if self.counts[f"http_{e.status}"] <= 5:
                     self.log.warning("%s %s: %d %s", request.method, request.url.path, e.status, e.message)
                 return JSONResponse(e.body(), status_code=e.status)
+            except Exception as e:  # a bug of ours: logged here (uvicorn's own log is quiet), a 500 there
+                self.counts["http_500"] += 1
+                self.log.exception("%s %s failed", request.method, request.url.path)
+                return JSONResponse(
+                    ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), 500
+                )
 
         return endpoint
 

@@ -81,13 +81,15 @@ for path in sorted(Path(sys.argv[2]).glob("*.py")):
     except RecipeError as e:  # vLLM's recipe without vLLM: refused at start-up, still torch-free
         refused.append(path.stem)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
-Path(sys.argv[1]).write_text(json.dumps({"planned": planned, "refused": refused, "heavy": heavy}))
+http = sorted(m for m in sys.modules if m.split(".")[0] in ("starlette", "uvicorn", "openai", "httpx", "verifiers"))
+Path(sys.argv[1]).write_text(json.dumps({"planned": planned, "refused": refused, "heavy": heavy, "http": http}))
 """
 
 
 def test_every_shipped_recipe_plans_without_torch_or_transformers(tmp_path, tiny_model):
-    """A launcher plans every recipe, agents' and distillation's included (environments and tokenizers are
-    checked at planning), without importing torch or transformers: start-up stays fast."""
+    """A launcher plans every recipe, agents' and distillation's included (environments, agent programs
+    and tokenizers are checked at planning), without importing torch, transformers or the endpoint's HTTP
+    stack: start-up stays fast."""
     out = tmp_path / "plan.json"
     r = subprocess.run(
         [sys.executable, "-c", PLAN_ALL, str(out), str(REPO / "recipes"), str(tiny_model)],
@@ -96,5 +98,5 @@ def test_every_shipped_recipe_plans_without_torch_or_transformers(tmp_path, tiny
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert len(report["planned"]) >= 20 and set(report["refused"]) <= {"grpo_arith_vllm"}, report
-    assert {"agent_calc", "opd_arith", "ppo_rm", "counter"} <= set(report["planned"])
-    assert report["heavy"] == []
+    assert {"agent_calc", "agent_program", "opd_arith", "ppo_rm", "counter"} <= set(report["planned"])
+    assert report["heavy"] == [] and report["http"] == []

@@ -1,0 +1,139 @@
+"""verifiers v1 environments as agent programs (meshrl/envs/programs.py): each task is one verifiers
+episode, played through the run's endpoint and trained as one sample under the episode's reward.
+
+    ServiceGroup(id="agents", config=AgentsConfig(
+        program="meshrl.envs.verifiers:run_episode",
+        program_args={
+            "environment": "my-taskset",                    # the taskset package (`--env.taskset.id`)
+            "environment_args": {                           # the rest of the env config (`[env]`)
+                "agent": {"runtime": {"type": "docker"}},
+                "taskset": {"task": {...}},
+            },
+            "tokenizer": "Qwen/Qwen3-4B",                   # the policy's tokenizer (the endpoint's model)
+        })),
+    ServiceGroup(id="endpoint", config=EndpointConfig(model=MODEL, name="policy")),
+
+v1 names an environment by config, not by a loader function: an `EnvConfig` whose `taskset.id` is an
+installed package exporting a `Taskset` (and, optionally, its own `Harness` and `Env`), plus the env's
+agent seats (harness, runtime, limits) and knobs. `environment` is that taskset id (the package to
+import); `environment_args` is the rest of the config, as the `[env]` block of a verifiers run writes
+it (`id` pairs another env with the taskset). Agent seats default to verifiers' defaults: a Prime
+sandbox runtime, the taskset's harness (else `bash`); set what the machines running the agents
+service can host.
+
+The dataset rows are the taskset's tasks in their wire form (`task.data.model_dump()` of what the
+taskset's `load()` yields, as verifiers' env server receives them): each row is validated into the
+taskset's `TaskData` and played once. The episode runs with verifiers' training client
+(`TrainClientConfig`): it renders messages to token ids with the `renderers` package (hence
+`tokenizer`: the endpoint serves the policy under a name of its own) and posts them to the session's
+`/inference/v1/generate`, so the tokens trained are exactly those inference generated, whatever
+the harness does with the text. Sampling is the endpoint's (the run's temperature and turn length)
+unless `sampling` sets some of it.
+
+Rewards: every trace's named rewards (weighted, as verifiers scores them), prefixed by the agent's name
+when the episode has several agents. Everything the episode's agents generated is trained, untrainable
+seats (a judge agent) included: the session cannot tell the calls apart. An episode that ends with an
+error raises, failing its trajectory with verifiers' reason.
+
+Each episode gets its own interception server (verifiers' per-rollout path): its model client is bound
+to the session's URL and must close with it. So `Env.serving()` is not entered, and environments that
+need it (taskset-shared tool servers, an `Env.start()`) are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshrl.envs.programs import AgentRun
+
+KEY_VAR = "MESHRL_API_KEY"
+"""Where the endpoint's key is put for verifiers' client, which reads its key from a variable (never
+from its config, which traces record); "API_KEY" in the name keeps it from local harness processes."""
+
+_envs: dict[str, asyncio.Future[Any]] = {}
+"""Loaded environments by config (programs run many at once on one event loop: one load each)."""
+
+
+async def run_episode(
+    run: AgentRun,
+    environment: str,
+    environment_args: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
+    sampling: dict[str, Any] | None = None,
+) -> dict[str, float]:
+    """One verifiers episode of `run.task`; its rewards (named parts).
+
+    `environment`: the taskset id; `environment_args`: the rest of the env config (module docstring).
+    `tokenizer`: the policy's tokenizer (name or path) for verifiers' renderer; None: `run.model`.
+    `sampling`: sampling knobs sent with every call (`max_tokens`, `temperature`, ...)."""
+    from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
+
+    env = await _environment(environment, environment_args or {})
+    task_cls = type(env.taskset).task_type()
+    task = task_cls(task_cls.data_type().model_validate(run.task), env.config.taskset.task)
+    os.environ[KEY_VAR] = run.api_key
+    client = TrainClientConfig(
+        base_url=run.base_url,  # /v1 kept: it asks <base>/models, and posts to <base less /v1>/inference/...
+        api_key_var=KEY_VAR,
+        renderer_model_name=tokenizer or run.model,
+    )
+    ctx = ModelContext(model=run.model, client=client, sampling=SamplingConfig(**(sampling or {})))
+    episode = await env.run_episode(task, ctx)
+    if not episode.ok:
+        raise RuntimeError(f"the episode failed: {_reason(episode)}")
+    return _rewards(episode)
+
+
+async def _environment(environment: str, args: dict[str, Any]) -> Any:
+    """The environment for this config, loaded once per process (on a thread: the import and the
+    plugins' own take a while, and the agents service's other programs go on meanwhile)."""
+    key = json.dumps([environment, args], sort_keys=True)
+    loading = _envs.get(key)
+    if loading is None or loading.get_loop() is not asyncio.get_running_loop():
+        loading = _envs[key] = asyncio.ensure_future(asyncio.to_thread(_load, environment, args))
+    try:
+        return await asyncio.shield(loading)
+    except Exception:
+        _envs.pop(key, None)  # the next program tries again (and says why again)
+        raise
+
+
+def _load(environment: str, args: dict[str, Any]) -> Any:
+    from verifiers.v1 import Env, load_environment, resolve_env_config
+
+    config = {**args, "taskset": {**args.get("taskset", {}), "id": environment}}
+    env = load_environment(resolve_env_config(config))
+    if env.taskset.toolsets(env.taskset.config) or type(env).start is not Env.start:
+        raise ValueError(
+            f"environment {environment!r} shares servers across episodes (taskset toolsets or "
+            "Env.start), which needs Env.serving(): not supported by meshrl.envs.verifiers"
+        )
+    return env
+
+
+def _reason(episode: Any) -> str:
+    errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
+    if errors:
+        e = errors[-1]
+        return f"{e.type}: {e.message}"
+    stops = [t.stop_condition for t in episode.traces if not t.ok]
+    return f"a trace ended without success ({stops})"
+
+
+def _rewards(episode: Any) -> dict[str, float]:
+    """Every trace's named rewards; agents' names prefix them when the episode has several agents."""
+    several = len({t.agent.name for t in episode.traces}) > 1
+    parts: dict[str, float] = {}
+    for trace in episode.traces:
+        for name, reward in trace.rewards.items():
+            if reward is None:
+                raise RuntimeError(f"the episode's reward {name!r} was never scored")
+            key = f"{trace.agent.name}/{name}" if several else name
+            parts[key] = parts.get(key, 0.0) + reward.value
+    if not parts:
+        raise RuntimeError("the episode recorded no reward")
+    return parts

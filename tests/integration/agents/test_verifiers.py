@@ -1,0 +1,84 @@
+"""verifiers v1 environments trained as agent programs (meshrl/envs/verifiers.py): real processes, CPU,
+the tiny model, a taskset of the test tree's own (tests/integration/agents/vf/vf_arith.py) whose harness
+runs in-process. Every task is one episode, trained once; what is trained is what verifiers received."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from meshrl.dataplane.ledger import account
+from tests.conftest import free_base_port
+from tests.integration.agents.test_programs import RECIPE, SMALL, counts
+from tests.integration.grpo.test_grpo import REPO, rows
+
+TASKSET = Path(__file__).resolve().parent / "vf"
+"""v1 imports a taskset by its id as a top-level module: this folder goes on PYTHONPATH."""
+
+
+def run_episodes(
+    tmp_path: Path, model: Path, steps: int, record: Path
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """recipes/agent_program.py with verifiers' episodes as the program (as test_grpo.run, plus the
+    taskset's folder on PYTHONPATH)."""
+    run_dir = tmp_path / "run"
+    args = {
+        "environment": "vf_arith",
+        "environment_args": {
+            "agent": {"runtime": {"type": "subprocess"}},
+            "taskset": {"task": {"record": str(record)}},
+        },
+        "tokenizer": str(model),
+    }
+    overrides = [
+        f"base_port={free_base_port()}", f"*.model={model}", f"total_steps={steps}", *SMALL, f"run_dir={run_dir}",
+        "agents.program=meshrl.envs.verifiers:run_episode", f"agents.program_args={json.dumps(args)}",
+    ]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "meshrl.cli", "run", RECIPE, *overrides], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TASKSET)])})  # fmt: skip
+    return r, run_dir
+
+
+def test_every_task_is_one_episode_trained_once(tmp_path: Path, arith_model: Path) -> None:
+    """Each task runs as one verifiers episode and trains once, as one sample, with the tokens verifiers'
+    client received: the samples' text is the traces' tokens, and the traces' log-probs are the
+    model's own (those of the first step's episodes: all generated before the weights changed)."""
+    steps, record = 3, tmp_path / "tokens.jsonl"
+    r, run_dir = run_episodes(tmp_path, arith_model, steps, record)
+    assert r.returncode == 0, r.stderr[-3000:]
+    batch = 4 * 4
+    tally = account(run_dir / "ledger.jsonl")
+    assert (tally.consumed, tally.pending, tally.duplicated) == (steps * batch, 0, 0), tally
+    done = counts(run_dir, "agents")
+    assert done.get("failed", 0) == 0 and done["finished"] >= steps * batch, done
+    assert done["calls"] == done["finished"], done  # one generate call per episode, each in its sample
+    # verifiers' side: one trace per episode, one branch: the prompt, then the sampled tokens
+    traces = [t["branches"] for t in rows(record)]
+    assert len(traces) == done["finished"] and all(len(b) == 1 for b in traces)
+    tokens = []
+    for (branch,) in traces:
+        ids, sampled = branch["token_ids"], branch["sampled"]
+        first = sampled.index(True)
+        assert all(sampled[first:]) and len(branch["logprobs"]) == len(ids) - first
+        tokens.append((ids[:first], ids[first:], branch["logprobs"]))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # the trainer's side: each logged sample is a trace's tokens (a character tokenizer: text is ids)
+    tokenizer = AutoTokenizer.from_pretrained(str(arith_model))
+    texts = {(tokenizer.decode(p), tokenizer.decode(c)) for p, c, _ in tokens}
+    samples = rows(run_dir / "samples.jsonl")
+    assert samples and all((s["prompt"], s["completion"]) in texts for s in samples), (samples[:2], texts)
+    # the behaviour log-probs verifiers got (and the sample carries) are the model's, token by token
+    model = AutoModelForCausalLM.from_pretrained(str(arith_model)).eval()
+    for prompt, completion, logprobs in tokens[:batch]:
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        own = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        assert torch.allclose(own, torch.tensor(logprobs), atol=1e-4), (own, logprobs)
