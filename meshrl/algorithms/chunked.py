@@ -48,9 +48,11 @@ def head_logprobs(
     return _HeadLogprobs.apply(hidden, weight, bias, targets, scale, chunk)
 
 
-def last_hidden(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Final hidden states [n, L, D] (after the last norm), computing the logits of one position only."""
-    return model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+def last_hidden(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+    """Final hidden states [n, L, D] (after the last norm), computing the logits of one position only.
+    No KV cache: nothing is generated, and with one transformers would not read `position_ids` that
+    restart (several sequences in a row) as separate sequences."""
+    return model(**inputs, output_hidden_states=True, logits_to_keep=1, use_cache=False).hidden_states[-1]
 
 
 @torch.no_grad()

@@ -111,11 +111,11 @@ def pack(
     }
     return TrainBatch(
         ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill,
-        position_ids=_segment_positions(segments, width),
+        position_ids=segment_positions(segments, width),
     )  # fmt: skip
 
 
-def _segment_positions(segments: Ragged | None, width: int) -> torch.Tensor | None:
+def segment_positions(segments: Ragged | None, width: int) -> torch.Tensor | None:
     """[n, width] positions restarting at every segment (and at the padding after the last); None when
     no row has more than one segment."""
     if segments is None or not bool((segments.lengths > 1).any()):

@@ -15,6 +15,7 @@ import torch
 
 from meshrl.dataplane import Batch, Ragged
 from meshrl.dataplane.missing import put_missing
+from meshrl.engines.packing import segment_positions
 from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.runtime.service import Service
 
@@ -37,9 +38,12 @@ def token_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
 
 
 def right_padded(
-    prompts: Ragged, responses: Ragged, index: torch.Tensor, pad_id: int
-) -> dict[str, torch.Tensor]:
-    """input_ids and attention_mask [n, L] of prompt + response for rows `index`, right-padded."""
+    prompts: Ragged, responses: Ragged, index: torch.Tensor, pad_id: int, segments: Ragged | None = None
+) -> dict[str, torch.Tensor | None]:
+    """input_ids and attention_mask [n, L] of prompt + response for rows `index`, right-padded. Where a
+    row holds several sequences (`segments`: an agent program's sample whose history was rewritten),
+    position_ids restarting at each instead of the mask: no token attends across them (as the trainer
+    packs them: meshrl/engines/packing.py)."""
     rows = [torch.cat([prompts[i], responses[i]]) for i in index.tolist()]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -47,6 +51,10 @@ def right_padded(
     for k, r in enumerate(rows):
         ids[k, : len(r)] = r
         attn[k, : len(r)] = 1
+    if segments is not None:
+        positions = segment_positions(Ragged.from_list([segments[i] for i in index.tolist()]), width)
+        if positions is not None:
+            return {"input_ids": ids, "attention_mask": None, "position_ids": positions}
     return {"input_ids": ids, "attention_mask": attn}
 
 

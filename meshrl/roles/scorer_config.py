@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from meshrl.models.hub import missing
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read
-from meshrl.schema import PROMPT, RESPONSE, SAMPLES
+from meshrl.schema import PROMPT, RESPONSE, SAMPLES, SEGMENTS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -41,7 +41,8 @@ class ScorerConfig(ServiceConfig):
             yield "max_tokens: must be >= 1"
 
     def reads(self) -> tuple[Read, ...]:
-        return (Read("score", SAMPLES, (PROMPT, RESPONSE)),)
+        # an agent program's samples come in segments (meshrl/envs/sessions.py)
+        return (Read("score", SAMPLES, (PROMPT, RESPONSE), optional=(SEGMENTS,)),)
 
     def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []

@@ -45,6 +45,43 @@ def test_reference_logprobs_match_unpadded_rows(tiny_model):
             torch.testing.assert_close(out[i], want, atol=1e-5, rtol=0)
 
 
+def test_reference_and_teacher_score_a_sample_in_segments_as_its_segments_apart(tiny_model):
+    """An agent program's sample whose history was rewritten holds two sequences: each response token is
+    scored within its own (the second segment's tokens see nothing of the first)."""
+    from transformers import AutoModelForCausalLM
+
+    from meshrl.roles.teacher.service import TopK
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    p1, r1, p2, r2 = (torch.tensor(x) for x in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [4, 6, 8]))
+    prompts, responses = rows(3, seed=2)  # rows of one segment beside it, in the same padded batch
+    joined = Ragged.from_list([p1, *prompts])
+    after = Ragged.from_list([torch.cat([r1, p2, r2]), *responses])
+    segments = Ragged.from_list(
+        [
+            torch.tensor([5, 7]),
+            *(torch.tensor([len(p) + len(r)]) for p, r in zip(prompts, responses, strict=True)),
+        ]
+    )
+    with torch.no_grad():
+        got = response_logprobs(model, joined, after, max_tokens=1000, segments=segments)
+        alone = response_logprobs(
+            model, Ragged.from_list([p1, p2, *prompts]), Ragged.from_list([r1, r2, *responses])
+        )
+        top = TopK(model, k=3, max_tokens=1000, streamed=False)
+        got_top, alone_top = (
+            top(joined, after, segments),
+            top(Ragged.from_list([p1, p2]), Ragged.from_list([r1, r2])),
+        )
+    torch.testing.assert_close(got[0][:2], alone[0], atol=1e-5, rtol=0)  # the first segment's response
+    torch.testing.assert_close(got[0][-3:], alone[1], atol=1e-5, rtol=0)  # the second's
+    for k in range(3):
+        torch.testing.assert_close(got[k + 1], alone[k + 2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_top[1][0][-3:], alone_top[1][1], atol=1e-5, rtol=0)
+    unaware = response_logprobs(model, joined, after, max_tokens=1000)
+    assert not torch.allclose(unaware[0][-3:], alone[1], atol=1e-3)  # without segments it would differ
+
+
 def test_reward_model_scores_match_unpadded_rows(tmp_path):
     from transformers import AutoModelForSequenceClassification
 

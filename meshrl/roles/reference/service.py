@@ -10,7 +10,7 @@ from meshrl.algorithms.losses import token_logprobs
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.reference.config import ReferenceConfig
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
-from meshrl.schema import PROMPT, REF_LOGPROBS, RESPONSE
+from meshrl.schema import PROMPT, REF_LOGPROBS, RESPONSE, SEGMENTS
 
 
 class ReferenceService(ScorerService):
@@ -28,6 +28,7 @@ class ReferenceService(ScorerService):
         lp = response_logprobs(
             self.model, batch.ragged(PROMPT), batch.ragged(RESPONSE), temperature=self.temperature,
             max_tokens=self.config.max_tokens, pad_id=self.pad_id, device=self.ctx.device,
+            segments=batch.ragged(SEGMENTS) if SEGMENTS in batch else None,
         )  # fmt: skip
         return {REF_LOGPROBS: lp}
 
@@ -41,13 +42,18 @@ def response_logprobs(
     max_tokens: int = 8192,
     pad_id: int = 0,
     device: torch.device | str = "cpu",
+    segments: Ragged | None = None,
 ) -> Ragged:
-    """Log-probability of every response token given its prompt and the response before it."""
+    """Log-probability of every response token given its prompt and the response before it (within
+    its own segment, where a row holds several)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for index in token_batches(prompts.lengths + responses.lengths, max_tokens):
-        inputs = {k: v.to(device) for k, v in right_padded(prompts, responses, index, pad_id).items()}
-        logits = model(**inputs).logits[:, :-1]
-        lp = token_logprobs(logits, inputs["input_ids"][:, 1:], temperature=temperature).float().cpu()
+        padded = right_padded(prompts, responses, index, pad_id, segments)
+        inputs = {k: v if v is None else v.to(device) for k, v in padded.items()}
+        logits = model(**inputs, use_cache=False).logits[:, :-1]  # no cache: it would also hide segments
+        ids = padded["input_ids"]
+        assert ids is not None
+        lp = token_logprobs(logits, ids[:, 1:].to(device), temperature=temperature).float().cpu()
         for k, i in enumerate(index.tolist()):
             start = len(prompts[i]) - 1  # the position predicting the first response token
             out[i] = lp[k, start : start + len(responses[i])].clone()

@@ -12,7 +12,7 @@ from meshrl.algorithms.distill import topk_logprobs
 from meshrl.dataplane import Batch, Ragged
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
 from meshrl.roles.teacher.config import TeacherConfig
-from meshrl.schema import PROMPT, RESPONSE, teacher_columns
+from meshrl.schema import PROMPT, RESPONSE, SEGMENTS, teacher_columns
 
 
 class TeacherService(ScorerService):
@@ -41,7 +41,8 @@ class TeacherService(ScorerService):
         self.columns = teacher_columns(cfg.prefix)
 
     def score(self, batch: Batch) -> dict[str, Any]:
-        out = self.topk(batch.ragged(PROMPT), batch.ragged(RESPONSE))
+        segments = batch.ragged(SEGMENTS) if SEGMENTS in batch else None
+        out = self.topk(batch.ragged(PROMPT), batch.ragged(RESPONSE), segments)
         return dict(zip(self.columns, out, strict=True))
 
 
@@ -64,15 +65,17 @@ class TopK:
     full-vocabulary logits."""
 
     @torch.no_grad()
-    def __call__(self, prompts: Ragged, responses: Ragged) -> tuple[Ragged, Ragged, Ragged]:
+    def __call__(
+        self, prompts: Ragged, responses: Ragged, segments: Ragged | None = None
+    ) -> tuple[Ragged, Ragged, Ragged]:
         n = len(prompts)
         pad_id = int(self.model.config.pad_token_id or 0)
         ids: list[torch.Tensor] = [torch.empty(0)] * n
         lps: list[torch.Tensor] = [torch.empty(0)] * n
         sampled: list[torch.Tensor] = [torch.empty(0)] * n
         for index in token_batches(prompts.lengths + responses.lengths, self.max_tokens):
-            padded = right_padded(prompts, responses, index, pad_id)
-            inputs = {k: v.to(self.device) for k, v in padded.items()}
+            padded = right_padded(prompts, responses, index, pad_id, segments)
+            inputs = {k: v if v is None else v.to(self.device) for k, v in padded.items()}
             rows, cols, targets = _response_positions(prompts, responses, index)
             targets = targets.to(self.device)
             top_ids, top_lp, target_lp = (self._streamed if self.streamed else self._full)(
@@ -104,7 +107,7 @@ class TopK:
         return top_ids, top_lp, picked / self.temperature - lse
 
     def _full(self, inputs: dict, rows: torch.Tensor, cols: torch.Tensor, targets: torch.Tensor) -> Any:
-        logits = self.model(**inputs).logits[rows, cols].float() / self.temperature
+        logits = self.model(**inputs, use_cache=False).logits[rows, cols].float() / self.temperature
         logp = torch.log_softmax(logits, dim=-1)
         top = logp.topk(self.k, dim=-1)
         return top.indices, top.values, logp.gather(-1, targets[:, None]).squeeze(-1)
