@@ -1,0 +1,193 @@
+"""Chat data for supervised fine-tuning (`meshrl sft`): rows of OpenAI-style `messages` (and optional
+`tools`) read strictly, rendered with the model's chat template, with a loss mask on the assistant's
+tokens.
+
+The loss mask is RL's notion (meshrl/envs/sessions.py): one 0/1 per token, 1 on the tokens the model
+itself should produce. Few chat templates mark the assistant's text (`{% generation %}`), so it is found
+by rendering: for each assistant message, the conversation before it (with and without the generation
+prompt) and up to its end. The tokens the message adds, after the generation prompt (the role header
+the model is given at inference), are its tokens: its content, tool calls and end-of-turn token. That
+needs a template whose renderings of a conversation's prefixes are prefixes of the whole rendering in
+tokens; one that rewrites earlier turns once more follow (some drop the reasoning of past turns) is
+refused with the row's number rather than trained on a wrong mask.
+
+A row that does not parse, has no messages, a malformed message or no assistant message is an error
+naming the row: supervised data is small and curated, and a silently dropped row is a bug found late.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshrl.dataplane.batch import Ragged
+from meshrl.engines.packing import TrainBatch, pack
+
+Message = dict[str, Any]
+
+
+class DataError(ValueError):
+    """The data cannot be trained on as it is; the message names the file and row."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    where: str
+    """Its file and row, for error messages ("chats.jsonl: line 7")."""
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: list[int]
+    mask: list[int]
+    """1 on the tokens of assistant messages, 0 elsewhere (one per id)."""
+    truncated: bool
+
+
+def read_conversations(path: str) -> list[Conversation]:
+    """Every row of `path`: a .jsonl file (read line by line, numbered by line), or anything
+    `datasets` opens (a .json / .parquet / .csv file, a directory `save_to_disk` wrote or of data files;
+    numbered by row from 1)."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{path}: no such file or directory")
+    if p.is_file() and p.suffix == ".jsonl":
+        return [conversation(row, where) for row, where in _jsonl(p)]
+    from datasets import load_dataset, load_from_disk
+
+    ds: Any
+    if p.is_file():
+        kind = {".parquet": "parquet", ".csv": "csv"}.get(p.suffix, "json")
+        ds = load_dataset(kind, data_files=str(p.resolve()), split="train")
+    elif (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file():
+        ds = load_from_disk(str(p))
+        ds = ds["train"] if hasattr(ds, "keys") else ds
+    else:
+        ds = load_dataset(str(p), split="train")
+    return [conversation(dict(row), f"{path}: row {n}") for n, row in enumerate(ds, 1)]
+
+
+def _jsonl(path: Path) -> list[tuple[Any, str]]:
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((json.loads(line), f"{path}: line {n}"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: line {n}: not JSON ({e.msg} at column {e.colno})") from None
+    return rows
+
+
+def conversation(row: Any, where: str) -> Conversation:
+    """`row` checked: {"messages": [{"role", "content", optional "tool_calls", ...}, ...], optional
+    "tools": [function schemas]}, with at least one assistant message. Keys that are None (columns
+    `datasets` fills in for every row) are dropped, and a None content becomes empty text."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a {type(row).__name__}, not an object with 'messages'")
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: no 'messages' list (fields: {sorted(row)})")
+    clean = []
+    for k, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise DataError(f"{where}: message {k} is not an object with a 'role'")
+        m = {key: v for key, v in m.items() if v is not None}
+        m["content"] = m.get("content", "")
+        if not isinstance(m["content"], str | list):
+            raise DataError(f"{where}: message {k}: 'content' is a {type(m['content']).__name__}")
+        clean.append(m)
+    if not any(m["role"] == "assistant" for m in clean):
+        raise DataError(f"{where}: no assistant message: nothing to learn from")
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: 'tools' must be a list of function schemas")
+    return Conversation(where, clean, tools or None)
+
+
+def render(
+    tokenizer: Any, messages: Sequence[Message], tools: list[dict[str, Any]] | None, *, generation: bool
+) -> list[int]:
+    """Token ids of `messages` through the chat template (with the generation prompt or not)."""
+    kwargs = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=generation, tokenize=True, **kwargs
+    )
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return [int(i) for i in ids]
+
+
+def chat_tokens(tokenizer: Any, chat: Conversation) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a conversation: its whole rendering, 1 on the assistant messages' tokens (see
+    the module docstring). Raises DataError when the template renders a prefix of the conversation
+    differently from the start of the whole."""
+    full = _render(tokenizer, chat, len(chat.messages), generation=False)
+    mask = [0] * len(full)
+    for i, m in enumerate(chat.messages):
+        if m["role"] != "assistant":
+            continue
+        before = _render(tokenizer, chat, i, generation=False)
+        prompt = _render(tokenizer, chat, i, generation=True)
+        through = _render(tokenizer, chat, i + 1, generation=False)
+        if through[: len(before)] != before or full[: len(through)] != through:
+            raise DataError(
+                f"{chat.where}: the chat template renders the conversation up to message {i + 1} "
+                "differently from the start of the whole (it rewrites earlier turns once more follow), "
+                "so the assistant's tokens cannot be told apart; split such conversations into one row "
+                "per assistant turn"
+            )
+        # from the end of the generation prompt (the header the model is given), never before the turn
+        start = max(len(before), _common_prefix(prompt, through))
+        mask[start : len(through)] = [1] * (len(through) - start)
+    return full, mask
+
+
+def _render(tokenizer: Any, chat: Conversation, n: int, *, generation: bool) -> list[int]:
+    """The first `n` messages rendered; no messages at all render as nothing (templates may refuse)."""
+    if n == 0:
+        try:
+            return render(tokenizer, [], chat.tools, generation=generation)
+        except Exception:  # a template that needs a message: the empty prefix is empty
+            return []
+    try:
+        return render(tokenizer, chat.messages[:n], chat.tools, generation=generation)
+    except Exception as e:  # the template's own error (an unknown role, ...), with the row
+        raise DataError(f"{chat.where}: the chat template cannot render it: {e}") from e
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode(tokenizer: Any, chat: Conversation, max_len: int) -> Example:
+    """The conversation's ids and mask, cut to `max_len` tokens."""
+    ids, mask = chat_tokens(tokenizer, chat)
+    return Example(ids[:max_len], mask[:max_len], len(ids) > max_len)
+
+
+def to_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
+    """The engine's batch: each example a row, its masked tokens the positions the loss covers (as a
+    response with a loss mask, `packing.pack`; the first token is the "prompt": nothing predicts it)."""
+    n = len(examples)
+    return pack(
+        [torch.tensor(e.ids[:1]) for e in examples],
+        [torch.tensor(e.ids[1:]) for e in examples],
+        None,
+        torch.zeros(n),
+        torch.ones(n, dtype=torch.bool),
+        pad_id=pad_id,
+        loss_mask=Ragged.from_list([torch.tensor(e.mask[1:], dtype=torch.int8) for e in examples]),
+    )
