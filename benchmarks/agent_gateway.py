@@ -18,6 +18,13 @@ calls joined into one sample afterwards).
 - ratio_vs_env_service: trajectories per second through the endpoint / through the environment service
   (target >= 0.8); env_service_trajectories_per_s, trajectories_per_s beside it;
 - segments_per_trajectory: sequences per trained sample (1.0: every call joined the one before).
+
+Measured here (2 shared CPU cores, the default 12 steps: 1536 trajectories each run, 1 m 42 s in all):
+requests_per_s 176.6, added_latency_ms_p50 16.2, p99 474, generation_busy 0.77 (the environment
+service's run: 0.74), ratio_vs_env_service 1.04 (35.8 against 34.4 trajectories/s), segments 1.0.
+The added latency is mostly waiting for a CPU: on 2 cores the agents process (512 programs, the openai
+client's parsing), the endpoint and 4 simulated replicas share them; the p99 is the end of the run,
+when the last programs' calls queue behind the final batch.
 """
 
 from __future__ import annotations
