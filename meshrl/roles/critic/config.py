@@ -11,7 +11,7 @@ from meshrl.engines.settings import MemoryConfig, OptimConfig
 from meshrl.models.hub import missing
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
-from meshrl.schema import PROMPT, RESPONSE, RETURNS, SAMPLES, VALID, VALUES
+from meshrl.schema import PROMPT, RESPONSE, RETURNS, SAMPLES, SEGMENTS, VALID, VALUES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -59,13 +59,15 @@ class CriticConfig(ServiceConfig):
 
     def reads(self) -> tuple[Read, ...]:
         return (
-            Read("values", SAMPLES, (PROMPT, RESPONSE), consumer=VALUES_CONSUMER),
+            # an agent program's samples come in segments (meshrl/envs/sessions.py)
+            Read("values", SAMPLES, (PROMPT, RESPONSE), consumer=VALUES_CONSUMER, optional=(SEGMENTS,)),
             Read(
                 "train",
                 SAMPLES,
                 (PROMPT, RESPONSE, VALUES, RETURNS, VALID),
                 consumer=TRAIN_CONSUMER,
                 retains=True,
+                optional=(SEGMENTS,),
             ),
         )
 

@@ -39,7 +39,7 @@ from meshrl.engines.packing import pack
 from meshrl.observe.metrics import JsonlSink, merged
 from meshrl.roles.critic.config import CriticConfig
 from meshrl.runtime.service import WATCH_S, Service
-from meshrl.schema import GROUP, MEMBER, MIN_VERSION, PROMPT, RESPONSE, RETURNS, VALID, VALUES
+from meshrl.schema import GROUP, MEMBER, MIN_VERSION, PROMPT, RESPONSE, RETURNS, SEGMENTS, VALID, VALUES
 from meshrl.state import checkpoint as ckpt
 from meshrl.state.statefile import StateFile
 
@@ -194,9 +194,11 @@ class CriticService(Service):
         self.phase(f"valuing {len(rows)} samples with version {self.version}")
         prompts = Ragged.from_list([batch.ragged(PROMPT)[i] for i in rows])
         responses = Ragged.from_list([batch.ragged(RESPONSE)[i] for i in rows])
+        segments = Ragged.from_list([batch.ragged(SEGMENTS)[i] for i in rows]) if SEGMENTS in batch else None
         packed = pack(
-            prompts, responses, None, torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
-        )
+            prompts, responses, None, torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool),
+            segments=segments,
+        )  # fmt: skip
         v = self.engine.compute_values(packed, self.config.memory.micro_batch)
         return {VALUES: [v[k][packed.mask[k]] for k in range(len(rows))]}
 
@@ -219,7 +221,7 @@ class CriticService(Service):
         pick = lambda name: Ragged.from_list([batch.ragged(name)[i] for i in index])  # noqa: E731
         packed = pack(
             pick(PROMPT), pick(RESPONSE), None, torch.zeros(len(index)), valid,
-            values=pick(VALUES), returns=pick(RETURNS),
+            values=pick(VALUES), returns=pick(RETURNS), segments=pick(SEGMENTS) if SEGMENTS in batch else None,
         )  # fmt: skip
         assert packed.values is not None and packed.returns is not None
         m = packed.mask
