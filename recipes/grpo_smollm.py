@@ -1,4 +1,4 @@
-"""GRPO on a real pretrained chat model, on CPU: SmolLM2-135M-Instruct counts animals' legs.
+"""GRPO on a real pretrained chat model, on CPU: SmolLM2-135M-Instruct learns two-number arithmetic.
 
     meshrl models smollm2-135m                                 # the model, as an HF folder (once)
     meshrl eval recipes/grpo_smollm.py                         # held-out accuracy before
@@ -6,10 +6,15 @@
     meshrl eval recipes/grpo_smollm.py --model runs/grpo_smollm   # and after, on its final checkpoint
 
 What a TRL user writes, the meshrl way: the chat template with a system prompt, a procedurally
-generated task (reasoning-gym's `leg_counting`, one or two kinds of animal so a 135M model can learn
-it), and two reward functions: the math answer checker (math-verify) and a small format reward that
-keeps the `<answer>` tag from being trained away. Any model works in its place: a hub id
-(`*.model=HuggingFaceTB/SmolLM2-135M-Instruct`, from the local cache) or a GGUF file.
+generated task (reasoning-gym's `basic_arithmetic`: a sum or difference of two numbers of one or two
+digits), and two reward functions: the math answer checker (math-verify, `rollout.correctness`: what
+`meshrl eval` calls accuracy) and a small format reward for ending with "Answer: N". The defaults
+(8 prompts x 4 samples, 64 new tokens, lr 5e-6, 45 steps: about 20 minutes on 2 CPU cores) were
+chosen by measuring: the untrained model answers about a third of the held-out problems right
+(greedy) and follows the answer format two times in three; at 30 steps one seed of two gained fewer
+than 10 points; the README ("Train a real model") gives the figures of two seeds at 45.
+Any model works in its place: a hub id (`*.model=HuggingFaceTB/SmolLM2-135M-Instruct`, from the
+local cache) or a GGUF file.
 """
 
 from meshrl.engines.settings import MemoryConfig, OptimConfig
@@ -24,18 +29,17 @@ ARITHMETIC = {
     "size": 4000, "seed": 0, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
     "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False,
 }  # fmt: skip
-"""reasoning_gym.create_dataset's settings: a sum or difference of two numbers of one or two digits
-(the untrained model gets about a quarter of them right, greedily)."""
+"""reasoning_gym.create_dataset's settings: a sum or difference of two numbers of one or two digits."""
 SYSTEM = (
-    "Solve the problem. Think step by step in one or two short sentences, then give the final answer as a "
-    "number inside <answer></answer> tags, e.g. <answer>12</answer>."
+    "You are a calculator. Example: 'Calculate 3 + 4.' -> '3 + 4 = 7. Answer: 7'. "
+    "Always end with 'Answer: ' and the number."
 )
 
 
 def recipe() -> Recipe:
     return Recipe(
         name="grpo_smollm",
-        total_steps=30,
+        total_steps=45,
         seed=0,
         prompts_per_step=8,
         group_size=4,
