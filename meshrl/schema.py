@@ -144,9 +144,22 @@ MODEL_TURNS = "model_turns"
 SEQUENCES = "sequences"
 """int: on an agent program's sample, its segments (1: every call joined the one before)."""
 TRUNCATED = "truncated"
-"""bool: on an environment's sample, the trajectory ran out of turns or tokens."""
+"""str | None: on an environment's sample, the limit the trajectory ran into: "turns" or "tokens"."""
 TRAJ_FAILED = "failed"
 """bool: on an agent's sample, the environment or program failed (its reward is NaN)."""
+TOOL_CALLS = "tool_calls"
+"""int: on an environment's sample, the tool calls its model turns made (malformed ones included)."""
+TOOL_ERRORS = "tool_errors"
+"""str: on an environment's sample, its tool errors by kind, a JSON object over TOOL_ERROR_KINDS."""
+TOOL_ERROR_KINDS = ("malformed", "unknown_tool", "arguments", "raised", "timeout")
+"""A tool call that did not parse, named no tool, had bad arguments, raised, or ran out of time."""
+ENV_REWARDS = "env_rewards"
+"""str: on an agent's sample, the environment's (or program's) named reward parts, a JSON object."""
+ENV_S = "env_s"
+"""float: on an agent's sample, seconds its trajectory spent in the environment (or program)."""
+QUEUED_S = "queued_s"
+"""float: on an agent's sample, seconds its trajectory was neither generating nor in the environment
+(waiting for a generation slot, an env slot, or the data plane)."""
 
 # colocation rings (one partition per ring and launch)
 RING_CAPACITY = 4096

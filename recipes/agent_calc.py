@@ -53,6 +53,7 @@ def recipe() -> Recipe:
                     max_turns=3,
                     max_tokens=100,
                     step_timeout_s=30.0,
+                    tool_timeout_s=5.0,
                 ),
             ),
             ServiceGroup(

@@ -6,7 +6,10 @@ Every way an environment or a model can misbehave has one outcome here: a tool p
 message (tools.py); a step or reset that raises, times out or returns something that is not messages,
 and a reward that fails, end the trajectory as failed (reward NaN: rollout counts the sample failed,
 the run goes on within `max_failed_fraction`); a trajectory past its turns or its token budget ends
-truncated (scored as it is, counted).
+truncated (scored as it is, counted by the limit it ran into).
+
+An outcome also keeps the trajectory's transcript (every message: reset's, the model's turns with
+their parsed tool calls, the environment's replies), which `reward` sees, and its tool figures.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import asyncio
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from meshrl.envs.base import EnvError, Environment, State, Step, Turn, check_messages
+from meshrl.envs import tools
+from meshrl.envs.base import EnvError, Environment, Limits, Message, State, Step, Turn, check_messages
 from meshrl.envs.parsers import Parser
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Trajectory
@@ -29,19 +34,6 @@ T = TypeVar("T")
 log = logging.getLogger("meshrl.env")
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_turns: int = 8
-    """Model turns per trajectory; the trajectory is truncated after the last."""
-    max_tokens: int = 1024
-    """Token budget of a whole trajectory (prompt, turns, replies): a reply that would leave no room
-    for another full turn of `max_new_tokens` truncates it instead."""
-    max_new_tokens: int = 64
-    """Inference's limit per turn (from the inference config)."""
-    step_timeout_s: float = 60.0
-    """Seconds `reset`, `step` or `reward` may take."""
-
-
 @dataclass
 class Outcome:
     trajectory: Trajectory
@@ -49,13 +41,19 @@ class Outcome:
     done: bool = False
     reward: float = math.nan
     rewards: dict[str, float] = field(default_factory=dict)
-    truncated: bool = False
+    truncated: Literal["turns", "tokens"] | None = None
+    """The limit the trajectory ran into, or None."""
     failed: str | None = None
     """Why the trajectory failed (its reward is NaN), or None."""
+    transcript: list[Message] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: Counter[str] = field(default_factory=Counter)
+    """Tool errors by kind (schema.TOOL_ERROR_KINDS)."""
 
 
-async def start(env: Environment, renderer: Renderer, row: dict[str, Any], limits: Limits) -> Outcome:
+async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Outcome:
     """Reset on `row` and render the first context; a failure ends the trajectory before any turn."""
+    limits = env.limits
     try:
         messages, state = await _within(env.reset(row), limits.step_timeout_s)
         messages = check_messages(messages, f"{type(env).__name__}.reset")
@@ -63,10 +61,11 @@ async def start(env: Environment, renderer: Renderer, row: dict[str, Any], limit
         ids = renderer.first(messages)
     except Exception as e:
         return Outcome(Trajectory.start([renderer.stop]), {}, done=True, failed=_why("reset", e, limits))
-    traj = Trajectory.start(ids)
+    out = Outcome(Trajectory.start(ids), state, transcript=list(messages))
     if len(ids) + limits.max_new_tokens > limits.max_tokens:
-        return await _finish(env, Outcome(traj, state, truncated=True), None, limits)
-    return Outcome(traj, state)
+        out.truncated = "tokens"
+        return await _finish(env, out, None, limits)
+    return out
 
 
 async def advance(
@@ -77,14 +76,17 @@ async def advance(
     response: list[int],
     logprobs: list[float],
     version: int,
-    limits: Limits,
 ) -> Outcome:
     """Append the model's turn exactly as generated, step the environment, and append its reply (or end
-    the trajectory: done, out of turns or budget, or failed)."""
+    the trajectory: done, out of turns or budget (`env.limits`), or failed)."""
+    limits = env.limits
     traj, state = outcome.trajectory, outcome.state
     traj.add_model(response, logprobs, version)
     text = renderer.decode(response)
     turn = Turn(text, parser.parse(text))
+    outcome.transcript.append(turn.message())
+    outcome.tool_calls += len(turn.tool_calls)
+    counting = tools.errors.set(outcome.tool_errors)
     try:
         step = await _within(env.step(state, turn), limits.step_timeout_s)
         if not isinstance(step, Step):
@@ -92,17 +94,21 @@ async def advance(
         messages = check_messages(step.messages, f"{type(env).__name__}.step")
         _check_state(state, "step")
     except Exception as e:
-        return Outcome(traj, state, done=True, failed=_why("step", e, limits))
+        outcome.done, outcome.failed = True, _why("step", e, limits)
+        return outcome
+    finally:
+        tools.errors.reset(counting)
     if step.done:
         return await _finish(env, outcome, turn, limits)
     if traj.turns >= limits.max_turns:
-        outcome.truncated = True
+        outcome.truncated = "turns"
         return await _finish(env, outcome, turn, limits)
     reply = renderer.reply(messages, after_stop=bool(response) and response[-1] == renderer.stop)
     if len(traj.ids) + len(reply) + limits.max_new_tokens > limits.max_tokens:
-        outcome.truncated = True
+        outcome.truncated = "tokens"
         return await _finish(env, outcome, turn, limits)
     traj.add_env(reply)
+    outcome.transcript.extend(messages)  # what the model sees next (a reply cut by a limit is not)
     return outcome
 
 
@@ -110,7 +116,7 @@ async def _finish(env: Environment, outcome: Outcome, final: Turn | None, limits
     """Take the reward: one number, or named ones (summed); a failure makes it NaN."""
     outcome.done = True
     try:
-        value = await _within(env.reward(outcome.state, final), limits.step_timeout_s)
+        value = await _within(env.reward(outcome.state, final, outcome.transcript), limits.step_timeout_s)
         named = dict(value) if isinstance(value, dict) else {"reward": value}
         named = {str(k): float(v) for k, v in named.items()}
         total = math.fsum(named.values())

@@ -13,7 +13,7 @@ import math
 import random
 from typing import Any
 
-from meshrl.envs.base import Environment, State, Step, Turn
+from meshrl.envs.base import Environment, Message, State, Step, Turn
 
 MEDIAN_S = 0.05
 SIGMA = math.log(2.0 / MEDIAN_S) / 2.326  # the 99th percentile at 2 s
@@ -39,7 +39,7 @@ class SimToolEnv(Environment):
         await asyncio.sleep(tool_latency(self.rng))
         return Step([{"role": "user", "content": "ok"}])
 
-    async def reward(self, state: State, final: Turn | None) -> float:
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> float:
         return 0.0
 
 

@@ -65,7 +65,19 @@ CATALOGUE: dict[str, Metric] = {
     "agent/sequences_mean": Metric(
         M, "token sequences per agent program's sample (segments: 1 = all joined)"
     ),
-    "agent/truncated": Metric(S, "trajectories cut at the environment's turn or token limit"),
+    "agent/truncated_turns": Metric(S, "trajectories cut at the environment's turn limit (env.max_turns)"),
+    "agent/truncated_tokens": Metric(
+        S, "trajectories cut at the environment's token budget (env.max_tokens)"
+    ),
+    "agent/generate_s_mean": Metric(M, "seconds an agent trajectory spent generating (its turns' batches)"),
+    "agent/tool_calls_mean": Metric(M, "tool calls per environment trajectory (malformed ones included)"),
+    "agent/tool_errors/{kind}": Metric(
+        S, "tool calls that failed, by kind: malformed, unknown_tool, arguments, raised, timeout"
+    ),
+    "agent/env_s_mean": Metric(M, "seconds an environment trajectory spent in reset, step and reward"),
+    "agent/queued_s_mean": Metric(
+        M, "seconds an environment trajectory waited (for a generation slot, an env slot, the data plane)"
+    ),
     # the policy update (the engine's statistics, averaged over a step's mini-batches)
     "loss": Metric(M, "the policy's whole loss"),
     "pg_loss": Metric(M, "policy-gradient term"),

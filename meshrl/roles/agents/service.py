@@ -41,6 +41,7 @@ from meshrl.schema import (
     CARRIED,
     DELIVERED,
     ENV_REWARD,
+    ENV_REWARDS,
     GEN_BATCH,
     GEN_S,
     LOGPROBS,
@@ -303,7 +304,7 @@ class AgentsService(Service):
             ENV_REWARD: torch.tensor([reward], dtype=torch.float32),
         }
         meta = {**{k: row.get(k) for k in CARRIED}, MODEL_TURNS: len(records), SEQUENCES: len(joined.segments),
-                TRAJ_FAILED: failure is not None}  # fmt: skip
+                TRAJ_FAILED: failure is not None, ENV_REWARDS: json.dumps(parts)}  # fmt: skip
         self.count(traj, len(records), joined.splits, parts, failure, life_s, gen_s)
         await client.put(self.ctx.wiring.partition("samples"), columns, meta=[meta], timeout=3600,
                          key=f"traj/{traj}")  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from meshrl.dataplane import AsyncClient, Batch
+from meshrl.dataplane import AsyncClient, Batch, DataPlaneError
 from meshrl.envs.parsers import build_parser
 from meshrl.envs.sessions import parse_token
 from meshrl.planning.topology import SPARE
@@ -320,9 +320,20 @@ class EndpointService(Service):
         client = self.client
         assert client is not None
         ids = batch.ids[rows]
-        await client.put(
-            batch.partition, {DELIVERED: torch.full((len(rows),), value, dtype=torch.int8)}, ids=ids
-        )
+        try:
+            await client.put(
+                batch.partition, {DELIVERED: torch.full((len(rows),), value, dtype=torch.int8)}, ids=ids
+            )
+        except DataPlaneError as e:  # a predecessor killed between its mark and its ack marked some
+            if e.code != "conflict":
+                raise
+            for one in ids.tolist():  # the others now, one by one: the first mark of a row stands
+                try:
+                    await client.put(batch.partition, {DELIVERED: torch.tensor([value], dtype=torch.int8)},
+                                     ids=[one])  # fmt: skip
+                except DataPlaneError as again:
+                    if again.code != "conflict":
+                        raise
         await client.ack(batch, ids)
         if not addressed:
             await client.delete(batch.partition, ids)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
@@ -26,6 +27,7 @@ from meshrl.schema import (
 )
 
 if TYPE_CHECKING:
+    from meshrl.envs import Limits
     from meshrl.planning.recipe import Recipe, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
@@ -43,7 +45,10 @@ class EnvConfig(ServiceConfig):
     model: str
     """Local path of the policy: its tokenizer and chat template render the environment's messages."""
     environment: str
-    """`package.module:Class`, a subclass of meshrl.envs.Environment built without arguments."""
+    """`package.module:Class`, a subclass of meshrl.envs.Environment, built as `Class(**environment_args)`."""
+    environment_args: dict[str, Any] = field(default_factory=dict)
+    """The environment's constructor arguments (a dataset split, a difficulty, a tool's endpoint), checked
+    against its signature at start-up. JSON-like values: the recipe travels to every launcher."""
     parser: Literal["hermes", "plain"] = "hermes"
     """Tool-call format: "hermes" (<tool_call>{json}</tool_call>, Qwen) or "plain" (name(text))."""
     tool_role: str = "tool"
@@ -54,6 +59,8 @@ class EnvConfig(ServiceConfig):
     """Token budget of a trajectory; a reply that leaves no room for a full turn truncates it."""
     step_timeout_s: float = 60.0
     """Seconds reset, step or reward may take before the trajectory fails."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may take; a slower one becomes a tool message saying so (a tool error)."""
     concurrency: int = 256
     """Trajectories one replica steps at once (asyncio); a trajectory waiting on a tool holds one of
     these, never a generation slot."""
@@ -69,6 +76,24 @@ class EnvConfig(ServiceConfig):
             yield "concurrency: must be >= 1"
         if self.step_timeout_s <= 0 or self.lease_s <= self.step_timeout_s:
             yield "step_timeout_s: must be > 0 and below lease_s"
+        if self.tool_timeout_s <= 0:
+            yield "tool_timeout_s: must be > 0"
+        if not isinstance(self.environment_args, dict) or not all(
+            isinstance(k, str) for k in self.environment_args
+        ):
+            yield "environment_args: must be a dict of keyword arguments (str keys)"
+
+    def limits(self, turn_tokens: int) -> Limits:
+        """The trajectory limits of this recipe, with inference's `max_new_tokens` as `turn_tokens`."""
+        from meshrl.envs import Limits
+
+        return Limits(
+            max_turns=self.max_turns,
+            max_tokens=self.max_tokens,
+            max_new_tokens=turn_tokens,
+            step_timeout_s=self.step_timeout_s,
+            tool_timeout_s=self.tool_timeout_s,
+        )
 
     def reads(self) -> tuple[Read, ...]:
         return (
@@ -97,5 +122,19 @@ class EnvConfig(ServiceConfig):
         except ImportError as e:
             return [*problems, f"environment: cannot import {module!r}: {e}"]
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            problems.append(f"environment: {self.environment!r} is not a subclass of meshrl.envs.Environment")
+            return [
+                *problems,
+                f"environment: {self.environment!r} is not a subclass of meshrl.envs.Environment",
+            ]
+        try:
+            inspect.signature(cls).bind(**self.environment_args)
+        except TypeError as e:
+            problems.append(f"environment_args: {name} cannot take {self.environment_args}: {e}")
+        try:
+            inspect.signature(cls.reward).bind(None, {}, None, [])
+        except TypeError:
+            problems.append(
+                f"environment: {name}.reward must take (self, state, final, transcript) (the transcript "
+                "was added: `async def reward(self, state, final, transcript)`)"
+            )
         return problems

@@ -26,18 +26,25 @@ import contextlib
 import importlib
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import torch
 
 from meshrl.dataplane import AsyncClient, Batch
-from meshrl.envs import Environment, Limits, Outcome, Renderer, Trajectory, advance, build_parser, start
+from meshrl.envs import Environment
+from meshrl.envs.episode import Outcome, advance, start
+from meshrl.envs.parsers import build_parser
+from meshrl.envs.render import Renderer
+from meshrl.envs.trajectory import Trajectory
 from meshrl.planning.wiring import Claim
 from meshrl.roles.env.config import EnvConfig
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.schema import (
     CARRIED,
     ENV_REWARD,
+    ENV_REWARDS,
+    ENV_S,
     GEN_BATCH,
     GEN_S,
     LOGPROBS,
@@ -45,9 +52,12 @@ from meshrl.schema import (
     MIN_VERSION,
     MODEL_TURNS,
     PROMPT,
+    QUEUED_S,
     RESPONSE,
     TASK,
     TOKEN_VERSIONS,
+    TOOL_CALLS,
+    TOOL_ERRORS,
     TRAJ_FAILED,
     TRAJ_LOGPROBS,
     TRUNCATED,
@@ -55,10 +65,10 @@ from meshrl.schema import (
     VERSION,
 )
 
-# the environment's own keys in its turn rows' metadata (besides schema's CARRIED and TURN)
-TRAJ, STARTED, ENV_S, STATE = "traj", "t0", "env_s", "state"
-"""The trajectory's id (its start row), its start time, its seconds in the environment so far, the
-environment's JSON state."""
+# the environment's own keys in its turn rows' metadata (besides schema's CARRIED, TURN, ENV_S,
+# TOOL_CALLS and TOOL_ERRORS, which are the trajectory's so far)
+TRAJ, STARTED, STATE, TRANSCRIPT = "traj", "t0", "state", "transcript"
+"""The trajectory's id (its start row), its start time, the environment's JSON state, its transcript."""
 PROMPT_LEN, GEN_S_TOTAL = "prompt_len", "gen_s_total"
 """How many of the turn row's tokens are the first context; its seconds generating so far."""
 
@@ -75,16 +85,12 @@ class EnvService(Service):
 
         cfg, wiring = self.config, self.ctx.wiring
         module, _, name = cfg.environment.partition(":")
-        self.env: Environment = getattr(importlib.import_module(module), name)()
+        self.env: Environment = getattr(importlib.import_module(module), name)(**cfg.environment_args)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.renderer = Renderer(tokenizer, self.env.tools, tool_role=cfg.tool_role)
         self.parser = build_parser(cfg.parser, [t.name for t in self.env.tools])
-        self.limits = Limits(
-            max_turns=cfg.max_turns,
-            max_tokens=cfg.max_tokens,
-            max_new_tokens=int(wiring.inputs["turn_tokens"]),  # the inference group's max_new_tokens
-            step_timeout_s=cfg.step_timeout_s,
-        )
+        self.limits = cfg.limits(int(wiring.inputs["turn_tokens"]))  # inference's max_new_tokens
+        self.env.limits = self.limits
         self.counts = {"started": 0, "turns": 0, "finished": 0, "truncated": 0, "failed": 0}
         self.reward_sums: dict[str, float] = {}
         # where finished trajectories' time went (logged at close; benchmarks/agent_sim.py reads it)
@@ -194,7 +200,7 @@ class EnvService(Service):
         meta[TRAJ] = int(batch.ids[i])
         meta[STARTED] = t0 = time.time()
         self.span = self.span or [t0, t0]
-        out = await start(self.env, self.renderer, json.loads(str(row.get(TASK) or "{}")), self.limits)
+        out = await start(self.env, self.renderer, json.loads(str(row.get(TASK) or "{}")))
         meta[ENV_S] = time.time() - t0
         self.counts["started"] += 1
         await (self.finish(client, out, meta, 0) if out.done else self.write_turn(client, out, meta))
@@ -202,15 +208,19 @@ class EnvService(Service):
     async def turn(self, client: AsyncClient, batch: Batch, i: int) -> None:
         """A generated turn: append it, step the environment, write the next turn or the sample."""
         meta = dict((batch.meta or [{}])[i] or {})
-        out = Outcome(_trajectory(batch, i, meta), json.loads(str(meta.pop(STATE))))
+        out = Outcome(
+            _trajectory(batch, i, meta),
+            json.loads(str(meta.pop(STATE))),
+            transcript=json.loads(str(meta.pop(TRANSCRIPT, None) or "[]")),
+            tool_calls=int(meta.pop(TOOL_CALLS, 0) or 0),
+            tool_errors=Counter(json.loads(str(meta.pop(TOOL_ERRORS, None) or "{}"))),
+        )
         out.trajectory.gen_s += float(batch.tensor(GEN_S)[i])
         first, last = batch.tensor(VERSION)[i].tolist()
         response = batch.ragged(RESPONSE)[i].tolist()
         logprobs = batch.ragged(LOGPROBS)[i].tolist()
         t0 = time.time()
-        out = await advance(
-            self.env, self.renderer, self.parser, out, response, logprobs, int(last), self.limits
-        )
+        out = await advance(self.env, self.renderer, self.parser, out, response, logprobs, int(last))
         meta[ENV_S] = float(meta.get(ENV_S) or 0.0) + time.time() - t0
         self.counts["turns"] += 1
         if first != last:  # interrupted by a weight update: record the first version of the turn
@@ -227,7 +237,8 @@ class EnvService(Service):
             TOKEN_VERSIONS: [torch.tensor([-1] * traj.prompt_len + traj.versions, dtype=torch.int64)],
         }
         row = {**meta, TURN: traj.turns, PROMPT_LEN: traj.prompt_len, GEN_S_TOTAL: traj.gen_s,
-               STATE: json.dumps(out.state)}  # fmt: skip
+               STATE: json.dumps(out.state), TRANSCRIPT: json.dumps(out.transcript),
+               TOOL_CALLS: out.tool_calls, TOOL_ERRORS: json.dumps(out.tool_errors)}  # fmt: skip
         await client.put(
             self.ctx.wiring.partition("turns"),
             columns,
@@ -250,14 +261,18 @@ class EnvService(Service):
         columns[GEN_S] = torch.tensor([traj.gen_s], dtype=torch.float32)
         columns[GEN_BATCH] = torch.tensor([gen_batch], dtype=torch.int64)
         columns[ENV_REWARD] = torch.tensor([out.reward], dtype=torch.float32)
-        row = {**{k: meta.get(k) for k in CARRIED}, MODEL_TURNS: traj.turns, TRUNCATED: out.truncated,
-               TRAJ_FAILED: out.failed is not None}  # fmt: skip
-        self.count(out, int(meta[TRAJ]))
         now = time.time()
+        env_s = float(meta.get(ENV_S) or 0.0)
+        life_s = now - float(meta.get(STARTED) or now)
+        row = {**{k: meta.get(k) for k in CARRIED}, MODEL_TURNS: traj.turns, TRUNCATED: out.truncated,
+               TRAJ_FAILED: out.failed is not None, TOOL_CALLS: out.tool_calls,
+               TOOL_ERRORS: json.dumps(out.tool_errors), ENV_REWARDS: json.dumps(out.rewards), ENV_S: env_s,
+               QUEUED_S: max(life_s - traj.gen_s - env_s, 0.0)}  # fmt: skip
+        self.count(out, int(meta[TRAJ]))
         if STARTED in meta:
-            self.times["life_s"] += now - float(meta[STARTED])
+            self.times["life_s"] += life_s
             self.times["gen_s"] += traj.gen_s
-            self.times["env_s"] += float(meta.get(ENV_S) or 0.0)
+            self.times["env_s"] += env_s
             self.span = [self.span[0] if self.span else float(meta[STARTED]), now]
         await client.put(
             self.ctx.wiring.partition("samples"),
@@ -280,7 +295,7 @@ class EnvService(Service):
     def count(self, out: Outcome, traj: int) -> None:
         c = self.counts
         c["finished"] += 1
-        c["truncated"] += out.truncated
+        c["truncated"] += out.truncated is not None
         if out.failed is not None:
             c["failed"] += 1
             if c["failed"] <= 5 or c["failed"] % 100 == 0:

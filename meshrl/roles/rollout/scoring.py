@@ -15,7 +15,9 @@ drops more than `max_filtered_fraction` of the groups, stop the run.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,6 +38,7 @@ from meshrl.runtime.service import WATCH_S
 from meshrl.schema import (
     ADVANTAGE,
     ENV_REWARD,
+    ENV_REWARDS,
     GROUP,
     LOGPROBS,
     MEMBER,
@@ -210,6 +213,7 @@ class Scoring:
             reward += cfg.rewards["env"] * env.nan_to_num(0.0)
             if bool(env.isfinite().any()):
                 self.metrics.add("reward/env", env[env.isfinite()])
+            self.log_env_parts(batch)
         self.log_functions(scored, len(batch))
         if cfg.overlong_max_len is not None:
             lengths = batch.ragged(RESPONSE).lengths
@@ -220,6 +224,17 @@ class Scoring:
                 penalty=cfg.overlong_penalty,
             )
         return reward, valid
+
+    def log_env_parts(self, batch: Batch) -> None:
+        """Each named part of the environment's (or agent program's) reward: `reward/env_<part>` (a
+        reward of one unnamed number is reward/env alone)."""
+        parts: dict[str, list[float]] = {}
+        for named in batch.meta_of(ENV_REWARDS):
+            named = json.loads(named or "{}")
+            for name, value in ({} if list(named) == ["reward"] else named).items():
+                parts.setdefault(re.sub(r"[^A-Za-z0-9_]", "_", name), []).append(float(value))
+        for name, values in sorted(parts.items()):
+            self.metrics.add(f"reward/env_{name}", torch.tensor(values))
 
     def log_functions(self, scored: Scored, n: int) -> None:
         """Each reward function's mean into rewards.jsonl, a row per `batch_size` samples scored."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from meshrl.planning.wiring import Claim
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.schema import (
     ADVANTAGE,
+    ENV_S,
     GEN_BATCH,
     GEN_S,
     GROUP,
@@ -21,12 +23,16 @@ from meshrl.schema import (
     LOSS_MASK,
     MODEL_TURNS,
     PROMPT,
+    QUEUED_S,
     REF_LOGPROBS,
     RESPONSE,
     REWARD,
     SEGMENTS,
     SEQUENCES,
     TOKEN_REWARDS,
+    TOOL_CALLS,
+    TOOL_ERROR_KINDS,
+    TOOL_ERRORS,
     TRUNCATED,
     VALID,
     VERSION,
@@ -77,8 +83,26 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
     if any(t is not None for t in turns):  # agents' trajectories
         summary["turns"] = torch.tensor([t or 0 for t in turns], dtype=torch.float64)
         summary["sequences"] = torch.tensor([s or 1 for s in batch.meta_of(SEQUENCES)], dtype=torch.float64)
-        summary["truncated"] = torch.tensor([bool(t) for t in batch.meta_of(TRUNCATED, False)])
+        summary.update(environment_summary(batch))
     return MiniBatch(batch, packed, summary, versions[:, 0].clone())
+
+
+def environment_summary(batch: Batch) -> dict[str, torch.Tensor]:
+    """What the environment service records of each trajectory (an agent program's sample has none of
+    it): truncations by limit, tool calls and errors by kind, seconds in the environment and queued."""
+    truncated = batch.meta_of(TRUNCATED)
+    out = {
+        f"truncated_{limit}": torch.tensor([t == limit for t in truncated]) for limit in ("turns", "tokens")
+    }
+    if all(c is None for c in batch.meta_of(TOOL_CALLS)):
+        return out
+    errors = [json.loads(e or "{}") for e in batch.meta_of(TOOL_ERRORS)]
+    out["tool_calls"] = torch.tensor([c or 0 for c in batch.meta_of(TOOL_CALLS)], dtype=torch.float64)
+    for kind in TOOL_ERROR_KINDS:
+        out[f"tool_errors_{kind}"] = torch.tensor([e.get(kind, 0) for e in errors], dtype=torch.float64)
+    for key in (ENV_S, QUEUED_S):
+        out[key] = torch.tensor([s or 0.0 for s in batch.meta_of(key)], dtype=torch.float64)
+    return out
 
 
 class Loader:

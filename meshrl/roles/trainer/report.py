@@ -13,7 +13,7 @@ import torch
 from meshrl.algorithms.filters import groups_with_signal
 from meshrl.dataplane import Batch
 from meshrl.observe.metrics import JsonlSink, Metrics, merged
-from meshrl.schema import PROMPT, RESPONSE
+from meshrl.schema import ENV_S, PROMPT, QUEUED_S, RESPONSE, TOOL_ERROR_KINDS
 
 log = logging.getLogger("meshrl.trainer")
 
@@ -44,7 +44,15 @@ def sample_metrics(parts: list[dict[str, torch.Tensor]], group: Any = None) -> d
         m.add("agent/turns_mean", rows["turns"])
         m.add("agent/turns_max", rows["turns"])
         m.add("agent/sequences_mean", rows["sequences"])
-        m.add("agent/truncated", rows["truncated"])
+        m.add("agent/truncated_turns", rows["truncated_turns"])
+        m.add("agent/truncated_tokens", rows["truncated_tokens"])
+        m.add("agent/generate_s_mean", rows["gen_s"])
+        if "tool_calls" in rows:  # the environment service's trajectories (not an agent program's)
+            m.add("agent/tool_calls_mean", rows["tool_calls"])
+            for kind in TOOL_ERROR_KINDS:
+                m.add(f"agent/tool_errors/{kind}", rows[f"tool_errors_{kind}"])
+            m.add("agent/env_s_mean", rows[ENV_S])
+            m.add("agent/queued_s_mean", rows[QUEUED_S])
     # each inference batch once (rows of one batch share its time); ranks may share batches: the max
     gen = dict(zip(rows["gen_batch"].tolist(), rows["gen_s"].tolist(), strict=True))
     m.add("time/generate_s", sum(gen.values()))

@@ -14,7 +14,7 @@ import random
 import re
 from typing import Any
 
-from meshrl.envs import Environment, State, Step, Turn, tool
+from meshrl.envs import Environment, Message, State, Step, Turn, tool
 from meshrl.tasks.arith import correct
 
 _SUM = re.compile(r"\s*-?\d+(\s*[+-]\s*\d+)*\s*")
@@ -51,7 +51,6 @@ class CalcEnv(Environment):
     """The model calls `calc` as often as it likes; a turn without a call is its answer."""
 
     tools = (calc,)
-    tool_timeout_s = 5.0
 
     async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
         return [{"role": "user", "content": str(row["prompt"])}], {"answer": str(row["answer"]), "calls": 0}
@@ -60,6 +59,6 @@ class CalcEnv(Environment):
         state["calls"] += len(turn.tool_calls)
         return await super().step(state, turn)
 
-    async def reward(self, state: State, final: Turn | None) -> float:
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> float:
         answered = final is not None and not final.tool_calls
         return float(answered and final is not None and correct(final.content, {"answer": state["answer"]}))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from meshrl.envs import Renderer
+from meshrl.envs.render import Renderer
 from meshrl.tasks.agent_calc import CalcEnv, all_problems
 
 

@@ -10,7 +10,7 @@ import random
 import re
 from typing import Any
 
-from meshrl.envs import Environment, State, Step, Turn
+from meshrl.envs import Environment, Message, State, Step, Turn
 
 HIGH = 50
 
@@ -24,8 +24,6 @@ def split(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 class GuessEnv(Environment):
-    max_turns = 8
-
     async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
         return [{"role": "user", "content": str(row["prompt"])}], {
             "secret": int(row["secret"]),
@@ -44,9 +42,9 @@ class GuessEnv(Environment):
             return Step([], done=True)
         return Step([{"role": "user", "content": "higher" if guess < state["secret"] else "lower"}])
 
-    async def reward(self, state: State, final: Turn | None) -> dict[str, float]:
-        found = state["found"]
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> dict[str, float]:
+        found, most = state["found"], self.limits.max_turns  # the recipe's env.max_turns
         return {
             "found": float(found > 0),
-            "speed": 0.1 * (self.max_turns - found) / self.max_turns if found else 0.0,
+            "speed": 0.1 * (most - found) / most if found else 0.0,
         }

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from meshrl.dataplane.ledger import account
+from meshrl.schema import TOOL_ERROR_KINDS
 from tests.integration.fault.test_kill import kill_repeatedly, start
 from tests.integration.grpo.test_grpo import REPO, rows, run
 
@@ -94,6 +95,14 @@ def test_a_service_killed_mid_trajectory_loses_and_repeats_nothing(
     )
     # trajectories did span turns: completions hold the tool's replies
     assert any("<|user|>" in r["completion"] for r in rows(run_dir / "samples.jsonl"))
+    # the agent figures are named metrics of every step: the format model calls the tool
+    metrics = rows(run_dir / "metrics.jsonl")
+    for m in metrics:
+        assert 1 <= m["agent/turns_mean"] <= 3 and m["agent/tool_calls_mean"] > 0, m
+        assert m["agent/truncated_turns"] + m["agent/truncated_tokens"] <= m["samples"]
+        assert all(m[f"agent/tool_errors/{k}"] >= 0 for k in TOOL_ERROR_KINDS), m
+        assert m["agent/generate_s_mean"] > 0 and m["agent/env_s_mean"] > 0 and m["agent/queued_s_mean"] >= 0
+    assert sum(m["agent/tool_calls_mean"] for m in metrics) / len(metrics) >= 0.5
 
 
 def test_a_run_resumed_from_its_checkpoint_mid_trajectories_loses_and_repeats_nothing(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from meshrl.schema import TOOL_ERROR_KINDS
 from tests.conftest import free_base_port
 from tests.integration.grpo.test_grpo import RECIPE, REPO
 
@@ -87,3 +88,37 @@ def test_the_dashboard_draws_a_live_run_and_follows_its_steps(tmp_path, tiny_mod
         dash.communicate(timeout=30)
     assert run.returncode == 130, out[-3000:]
     assert json.loads((run_dir / "config.json").read_text())["recipe"]["total_steps"] == 400
+
+
+def traces(page, chart: str) -> list[str]:
+    return page.evaluate(
+        f"(document.getElementById('{chart}').data || []).filter(t => t.x.length).map(t => t.name)"
+    )
+
+
+def test_the_agents_panel_draws_an_agent_runs_figures(tmp_path, tiny_model):
+    """A finished run of the calculator-tool agent: the agents chart has its turns, tool calls, tool
+    errors by kind and truncations; the time chart where its trajectories' seconds went."""
+    run_dir = tmp_path / "run"
+    run = start(["run", str(REPO / "recipes" / "agent_calc.py"), f"*.model={tiny_model}", f"run_dir={run_dir}",
+                 f"base_port={free_base_port()}", "total_steps=2", "prompts_per_step=4"], tmp_path)  # fmt: skip
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-3000:]
+    dash = start(["dashboard", str(run_dir), "--port", "0"], tmp_path)
+    try:
+        url = dash.stdout.readline().split()[2]
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url)
+            wait_for(lambda: points(page, "agents") >= 2, 30, "the agents chart")
+            names = traces(page, "agents")
+            for name in ("turns_mean", "tool_calls_mean", "truncated_turns", "truncated_tokens", "failed",
+                         *(f"tool_errors/{k}" for k in TOOL_ERROR_KINDS)):  # fmt: skip
+                assert name in names, names
+            assert sorted(traces(page, "agent_time")) == ["env", "generate", "queued"]
+            assert points(page, "agent_time") == 3 * 2
+            browser.close()
+    finally:
+        dash.send_signal(signal.SIGINT)
+        dash.communicate(timeout=30)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from meshrl.envs import Environment, Limits, State, Turn
 from meshrl.planning.config import RecipeError
 from meshrl.planning.recipe import load_recipe
 from meshrl.planning.topology import Device, devices_needed, plan
@@ -38,6 +39,14 @@ def test_bad_fields_are_listed_at_once() -> None:
         ("env.environment=meshrl.nope:Env", "environment: cannot import 'meshrl.nope'"),
         ("env.max_tokens=16", "max_tokens: 16 leaves no room for one turn of 16"),
         (
+            'env.environment_args={"level": 3}',
+            r"environment_args: CalcEnv cannot take \{'level': 3\}: got an unexpected keyword argument 'level'",
+        ),
+        (
+            "env.environment=tests.unit.envs.test_env_config:OldReward",
+            r"OldReward.reward must take \(self, state, final, transcript\)",
+        ),
+        (
             "inference.trainer=rollout",
             "inference'].config.trainer: 'rollout' is not a trainer of this recipe",
         ),
@@ -46,6 +55,28 @@ def test_bad_fields_are_listed_at_once() -> None:
 def test_recipe_problems_name_the_field(tiny_model: Path, override: str, message: str) -> None:
     with pytest.raises(RecipeError, match=message):
         planned(tiny_model, override)
+
+
+class OldReward(Environment):
+    async def reward(self, state: State, final: Turn | None) -> float:  # type: ignore[override]
+        return 0.0
+
+
+class Sized(Environment):
+    def __init__(self, size: int, hard: bool = False) -> None:
+        self.size, self.hard = size, hard
+
+
+def test_environment_args_build_the_environment_and_limits_come_from_the_recipe(tiny_model: Path) -> None:
+    planned(
+        tiny_model,
+        "env.environment=tests.unit.envs.test_env_config:Sized",
+        'env.environment_args={"size": 3}',
+    )
+    with pytest.raises(RecipeError, match="Sized cannot take \\{\\}: missing a required argument: 'size'"):
+        planned(tiny_model, "env.environment=tests.unit.envs.test_env_config:Sized")
+    cfg = EnvConfig(model="m", environment="x:Sized", max_turns=3, tool_timeout_s=2.0)
+    assert cfg.limits(16) == Limits(max_turns=3, max_tokens=2048, max_new_tokens=16, tool_timeout_s=2.0)
 
 
 def test_env_reward_without_an_environment_says_what_to_add(tiny_model: Path) -> None:

@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from meshrl.envs import Environment, Limits, PlainParser, Renderer, State, Step, Turn, advance, start, tool
+from meshrl.envs import Environment, Limits, Message, State, Step, Turn, tool
+from meshrl.envs.episode import advance, start
+from meshrl.envs.parsers import PlainParser
+from meshrl.envs.render import Renderer
 from meshrl.models.tiny import build_tokenizer
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 
@@ -30,7 +33,7 @@ class Calc(Environment):
     async def reset(self, row: dict[str, Any]) -> tuple[list[dict[str, Any]], State]:
         return [{"role": "user", "content": row["q"]}], {"answer": row["a"]}
 
-    async def reward(self, state: State, final: Turn | None) -> dict[str, float]:
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> dict[str, float]:
         right = final is not None and final.content.strip() == str(state["answer"])
         return {"correct": float(right), "format": 0.5}
 
@@ -50,14 +53,15 @@ SHORT = Limits(max_new_tokens=8)
 def play(env: Environment, tok: Any, turns: list[str], limits: Limits = SHORT) -> Any:
     renderer = Renderer(tok, env.tools, tool_role="user")
     parser = PlainParser([t.name for t in env.tools])
+    env.limits = limits
 
     async def go() -> Any:
-        out = await start(env, renderer, {"q": "12+34+5=", "a": 51}, limits)
+        out = await start(env, renderer, {"q": "12+34+5=", "a": 51})
         for k, text in enumerate(turns):
             if out.done:
                 break
             response = [*ids(tok, text), tok.eos_token_id]
-            out = await advance(env, renderer, parser, out, response, [-0.5] * len(response), 10 + k, limits)
+            out = await advance(env, renderer, parser, out, response, [-0.5] * len(response), 10 + k)
         return out
 
     return asyncio.run(go())
@@ -88,9 +92,9 @@ def test_layout_and_loss_mask(tok: Any) -> None:
 
 def test_out_of_turns_and_out_of_budget_truncate(tok: Any) -> None:
     out = play(Calc(), tok, ["calc(1)"] * 5, Limits(max_turns=3, max_new_tokens=8))
-    assert out.done and out.truncated and out.trajectory.turns == 3 and out.reward == 0.5
+    assert out.done and out.truncated == "turns" and out.trajectory.turns == 3 and out.reward == 0.5
     out = play(Calc(), tok, ["calc(1)"] * 5, Limits(max_tokens=40, max_new_tokens=8))
-    assert out.done and out.truncated and len(out.trajectory.ids) + 8 <= 40 + 8
+    assert out.done and out.truncated == "tokens" and len(out.trajectory.ids) + 8 <= 40 + 8
     assert out.trajectory.turns < 5
 
 
@@ -114,10 +118,10 @@ class Broken(Calc):
             await asyncio.sleep(10)
         return await super().step(state, turn)
 
-    async def reward(self, state: State, final: Turn | None) -> dict[str, float]:
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> dict[str, float]:
         if self.where == "reward":
             return {"r": math.inf}
-        return await super().reward(state, final)
+        return await super().reward(state, final, transcript)
 
 
 @pytest.mark.parametrize(
@@ -140,6 +144,7 @@ def test_a_misbehaving_environment_fails_the_trajectory(tok: Any, where: str, wh
 def test_malformed_call_is_a_tool_message_not_a_failure(tok: Any) -> None:
     out = play(Calc(), tok, ["calc(1+(2", "3"])
     assert out.failed is None and out.reward == 0.5
+    assert out.tool_calls == 1 and out.tool_errors == {"malformed": 1}
     text = tok.decode(out.trajectory.ids)
     assert "<|user|>error: unbalanced parentheses<|assistant|>" in text
 
@@ -148,12 +153,13 @@ def test_guess_game_lasts_as_many_turns_as_it_takes(tok: Any) -> None:
     from meshrl.tasks.guess import GuessEnv
 
     async def game(guesses: list[str]) -> Any:
-        renderer, parser, limits = Renderer(tok), PlainParser([]), Limits(max_turns=8, max_new_tokens=4)
+        renderer, parser = Renderer(tok), PlainParser([])
         env = GuessEnv()
-        out = await start(env, renderer, {"prompt": "guess", "secret": 30}, limits)
+        env.limits = Limits(max_turns=8, max_new_tokens=4)
+        out = await start(env, renderer, {"prompt": "guess", "secret": 30})
         for k, g in enumerate(guesses):
             response = [*ids(tok, g), tok.eos_token_id]
-            out = await advance(env, renderer, parser, out, response, [0.0] * len(response), k, limits)
+            out = await advance(env, renderer, parser, out, response, [0.0] * len(response), k)
             if out.done:
                 break
         return out
@@ -165,3 +171,46 @@ def test_guess_game_lasts_as_many_turns_as_it_takes(tok: Any) -> None:
     assert (
         "<|user|>higher<|assistant|>40<eos><|user|>lower<|assistant|>x<eos><|user|>a number, please" in text
     )
+
+
+class Seen(Calc):
+    """Keeps what `reward` was given."""
+
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> dict[str, float]:
+        state["transcript"] = transcript
+        return await super().reward(state, final, transcript)
+
+
+def test_reward_sees_the_transcript_and_tool_figures_are_kept(tok: Any) -> None:
+    out = play(Seen(), tok, ["calc(12+34+5)", "calc(1+x)", "calc(1+(2", "51"])
+    assert out.reward == 1.5 and out.tool_calls == 3 and out.tool_errors == {"raised": 1, "malformed": 1}
+    call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": '{"": "12+34+5"}'}}
+    transcript = out.state["transcript"]
+    assert transcript[:3] == [
+        {"role": "user", "content": "12+34+5="},
+        {"role": "assistant", "content": "calc(12+34+5)", "tool_calls": [call]},
+        {"role": "tool", "name": "calc", "content": "51"},
+    ]
+    assert [m["role"] for m in transcript] == ["user", *["assistant", "tool"] * 3, "assistant"]
+    assert transcript[-1] == {"role": "assistant", "content": "51"}
+
+
+@tool
+async def wait(seconds: float) -> str:
+    """Wait.
+
+    Args:
+        seconds: how long
+    """
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+class SlowTool(Calc):
+    tools = (wait,)
+
+
+def test_the_tool_timeout_is_the_limits_one(tok: Any) -> None:
+    out = play(SlowTool(), tok, ["wait(1)", "51"], Limits(max_new_tokens=8, tool_timeout_s=0.1))
+    assert out.failed is None and out.tool_errors == {"timeout": 1}
+    assert "<|user|>error: wait timed out after 0.1s<|assistant|>" in tok.decode(out.trajectory.ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshrl.envs import HermesParser, PlainParser
+from meshrl.envs.parsers import HermesParser, PlainParser
 
 
 def test_hermes_valid_and_multiple() -> None:

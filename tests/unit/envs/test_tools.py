@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Literal
+from collections import Counter
+from typing import Any, Literal
 
 import pytest
 
-from meshrl.envs import PlainParser, Tool, ToolCall, call_tools, tool
+from meshrl.envs import Tool, ToolCall, call_tools, tool, tools
+from meshrl.envs.parsers import PlainParser
+from meshrl.schema import TOOL_ERROR_KINDS
 
 
 def search(
@@ -16,58 +19,94 @@ def search(
 ) -> str:
     """Search the index for documents.
 
-    More text that is not part of the summary.
+    It looks at titles and bodies.
 
     Args:
         query: what to look for
-        limit (int): how many results
+        limit: how many results
+        mode: how hard to look
+        tags: only documents with these tags
     """
     return f"{query}:{limit}:{mode}"
 
 
-def test_schema_from_hints_and_docstring() -> None:
+def test_schema_is_the_one_transformers_renders_less_its_return_entry() -> None:
+    from transformers.utils import get_json_schema
+
     schema = Tool.from_function(search).schema
     assert schema == {
         "type": "function",
         "function": {
             "name": "search",
-            "description": "Search the index for documents.",
+            "description": "Search the index for documents.\n\nIt looks at titles and bodies.",
             "parameters": {
                 "type": "object",
                 "properties": {
                     "query": {"type": "string", "description": "what to look for"},
                     "limit": {"type": "integer", "description": "how many results"},
-                    "mode": {"type": "string", "enum": ["fast", "deep"]},
-                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "mode": {"type": "string", "enum": ["fast", "deep"], "description": "how hard to look"},
+                    "tags": {
+                        "type": "array", "items": {"type": "string"}, "nullable": True,
+                        "description": "only documents with these tags",
+                    },
                 },
                 "required": ["query"],
             },
         },
-    }
+    }  # fmt: skip
+    theirs = get_json_schema(search)
+    del theirs["function"]["return"]
+    assert schema == theirs
 
 
-def test_untyped_or_unsupported_parameters_are_refused() -> None:
+def test_undescribed_or_untyped_parameters_are_refused_naming_the_tool() -> None:
     def untyped(x):  # type: ignore[no-untyped-def]
+        """Echo.
+
+        Args:
+            x: anything
+        """
         return x
 
-    def odd(x: complex) -> str:
+    def undescribed(x: int) -> str:
+        """Echo."""
         return ""
 
-    with pytest.raises(TypeError, match="needs a type hint"):
+    with pytest.raises(TypeError, match="tool 'untyped'.*type hint"):
         Tool.from_function(untyped)
-    with pytest.raises(TypeError, match="no JSON schema"):
-        Tool.from_function(odd)
+    with pytest.raises(TypeError, match="tool 'undescribed'.*no description for the argument 'x'"):
+        Tool.from_function(undescribed)
+
+
+def test_enum_and_nullable_arguments_are_checked() -> None:
+    t = Tool.from_function(search)
+    assert t.bind({"query": "q", "mode": "deep", "tags": None}) == {
+        "query": "q",
+        "mode": "deep",
+        "tags": None,
+    }
+    with pytest.raises(ValueError, match="argument mode: 'slow' is not one of"):
+        t.bind({"query": "q", "mode": "slow"})
 
 
 @tool
 def add(a: int, b: int) -> int:
-    """Add two integers."""
+    """Add two integers.
+
+    Args:
+        a: one
+        b: the other
+    """
     return a + b
 
 
 @tool
 async def slow(seconds: float) -> str:
-    """Sleep, then answer."""
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long
+    """
     await asyncio.sleep(seconds)
     return "late"
 
@@ -78,8 +117,12 @@ def boom() -> str:
     raise RuntimeError("kaput")
 
 
-def run(calls: list[ToolCall], timeout_s: float = 1.0) -> list[str]:
-    return [m["content"] for m in asyncio.run(call_tools([add, slow, boom], calls, timeout_s=timeout_s))]
+def run(calls: list[ToolCall], timeout_s: float = 1.0, counted: Counter[str] | None = None) -> list[str]:
+    async def go() -> list[dict[str, Any]]:
+        tools.errors.set(counted)
+        return await call_tools([add, slow, boom], calls, timeout_s=timeout_s)
+
+    return [m["content"] for m in asyncio.run(go())]
 
 
 def test_calls_and_their_errors_become_tool_messages() -> None:
@@ -92,7 +135,7 @@ def test_calls_and_their_errors_become_tool_messages() -> None:
         ToolCall("boom", {}),
         ToolCall("", raw="<tool_call>{", error="tool call is not JSON"),
         ToolCall("slow", {"seconds": 5.0}),
-    ], timeout_s=0.2)  # fmt: skip
+    ], timeout_s=0.2, counted=(counted := Counter()))  # fmt: skip
     assert out[0] == "5"
     assert out[1] == "error: add: missing argument(s) b"
     assert out[2] == "error: add: unknown argument(s) c"
@@ -101,6 +144,8 @@ def test_calls_and_their_errors_become_tool_messages() -> None:
     assert out[5] == "error: boom raised RuntimeError: kaput"
     assert out[6] == "error: tool call is not JSON"
     assert out[7] == "error: slow timed out after 0.2s"
+    assert counted == {"arguments": 3, "unknown_tool": 1, "raised": 1, "malformed": 1, "timeout": 1}
+    assert set(counted) <= set(TOOL_ERROR_KINDS)
 
 
 def test_calls_of_one_turn_run_concurrently() -> None:

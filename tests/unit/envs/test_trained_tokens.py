@@ -16,7 +16,10 @@ from meshrl.dataplane import Ragged
 from meshrl.engines.base import SamplingParams
 from meshrl.engines.hf import HFEngine
 from meshrl.engines.packing import pack
-from meshrl.envs import Environment, Limits, PlainParser, Renderer, State, Step, Turn, advance, start
+from meshrl.envs import Environment, Limits, Message, State, Step, Turn
+from meshrl.envs.episode import advance, start
+from meshrl.envs.parsers import PlainParser
+from meshrl.envs.render import Renderer
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE
 
 
@@ -29,7 +32,7 @@ class Echo(Environment):
     async def step(self, state: State, turn: Turn) -> Step:
         return Step([{"role": "user", "content": "try again: 7"}])
 
-    async def reward(self, state: State, final: Turn | None) -> float:
+    async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> float:
         return 0.0
 
 
@@ -40,18 +43,19 @@ def played(tiny_model: Path) -> tuple[Any, list[list[int]], list[list[float]], A
     tok = AutoTokenizer.from_pretrained(tiny_model)
     engine = HFEngine(str(tiny_model))
     renderer = Renderer(tok, tool_role="user")
-    limits = Limits(max_turns=3, max_tokens=120, max_new_tokens=12)
+    env = Echo()
+    env.limits = Limits(max_turns=3, max_tokens=120, max_new_tokens=12)
     turns: list[list[int]] = []
     logprobs: list[list[float]] = []
 
     async def go() -> Any:
-        out = await start(Echo(), renderer, {}, limits)
+        out = await start(env, renderer, {})
         k = 0
         while not out.done:
             (c,) = engine.generate([out.trajectory.ids], SamplingParams(max_new_tokens=12, seed=k))
             turns.append(c.tokens)
             logprobs.append(c.logprobs)
-            out = await advance(Echo(), renderer, PlainParser([]), out, c.tokens, c.logprobs, k, limits)
+            out = await advance(env, renderer, PlainParser([]), out, c.tokens, c.logprobs, k)
             k += 1
         return out
 
