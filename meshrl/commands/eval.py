@@ -10,6 +10,13 @@ the recipe's temperature with the seeds of a run's version-0 evaluation, and eva
 It prints one JSON object: greedy / sampled reward (the mean reward trained on), greedy / sampled
 accuracy and pass@k (by the recipe's correctness check, `rollout.correctness`), each reward function's
 mean, timing.
+
+With an environment service in the recipe (an agent trained through `meshrl.envs`), each held-out row
+is played as the run plays it: the environment the recipe builds (its `environment_args` and limits),
+the chat template and tool-call parser of the env group, turns generated greedy and sampled until the
+trajectory ends. It reports the environment's reward (greedy / sampled), each named part of it
+(`greedy/env_<part>`, `sampled/env_<part>`: a part named "correct" is the accuracy), turns, tool calls
+and tool errors per trajectory, and truncations. Agent programs (the endpoint) are not evaluated here.
 """
 
 from __future__ import annotations
@@ -44,7 +51,10 @@ def main(argv: list[str]) -> int:
     except RecipeError as e:
         print(f"meshrl eval: {e}", file=sys.stderr)
         return 2
-    result = evaluate(rollout, inference, recipe)
+    env = next((g.config for g in recipe.groups if type(g.config).__name__ == "EnvConfig"), None)
+    result = (
+        evaluate(rollout, inference, recipe) if env is None else evaluate_env(rollout, inference, env, recipe)
+    )
     text = json.dumps(result)
     print(text)
     if args.out:
@@ -62,6 +72,9 @@ def _configs(path: str, overrides: list[str]) -> tuple[Any, Any, Any]:
     inference = next((g.config for g in recipe.groups if isinstance(g.config, InferenceConfig)), None)
     if rollout is None or inference is None:
         raise RecipeError(["meshrl eval needs a recipe with a rollout and an inference group"])
+    if any(type(g.config).__name__ == "AgentsConfig" for g in recipe.groups):
+        raise RecipeError(["meshrl eval does not run agent programs (an agents group): evaluate through a run "
+                           "(rollout.eval_every) or the program itself against `meshrl serve`"])  # fmt: skip
     return rollout, inference, recipe
 
 
@@ -126,3 +139,78 @@ def generate(
             for j, c in zip(part, done, strict=True):
                 out[j] = c.tokens
     return out
+
+
+def evaluate_env(rollout: Any, inference: Any, env_cfg: Any, recipe: Any) -> dict[str, Any]:
+    """Held-out trajectories of the recipe's environment, greedy and sampled (see the module docstring)."""
+    import importlib
+    import math
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from meshrl.engines.base import SamplingParams
+    from meshrl.envs.episode import Outcome, advance, start
+    from meshrl.envs.parsers import build_parser
+    from meshrl.envs.render import Renderer
+    from meshrl.roles.inference.engine import build_engine, row_seed
+    from meshrl.roles.rollout.data import load_rows
+
+    _, rows = load_rows(rollout)
+    if not rows:
+        raise SystemExit("meshrl eval: no held-out rows: set rollout.eval_dataset (and rollout.eval_split)")
+    if inference.threads:
+        torch.set_num_threads(inference.threads)
+    module, _, name = env_cfg.environment.partition(":")
+    env = getattr(importlib.import_module(module), name)(**env_cfg.environment_args)
+    env.limits = env_cfg.limits(inference.max_new_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(env_cfg.model)
+    renderer = Renderer(tokenizer, env.tools, tool_role=env_cfg.tool_role)
+    parser = build_parser(env_cfg.parser, [t.name for t in env.tools])
+    engine = build_engine(inference, device="cuda:0" if torch.cuda.is_available() else "cpu",
+                          seed=recipe.seed, work_dir=None)  # fmt: skip
+    members = [(i, k) for i in range(len(rows)) for k in range(1 + rollout.eval_samples)]
+
+    async def play() -> list[Outcome]:
+        outs = list(await asyncio.gather(*(start(env, renderer, rows[i]) for i, _ in members)))
+        while todo := [j for j, o in enumerate(outs) if not o.done]:
+            for greedy in (False, True):
+                part = [j for j in todo if (members[j][1] == 0) == greedy]
+                params = SamplingParams(
+                    temperature=0.0 if greedy else recipe.temperature, top_k=inference.top_k,
+                    top_p=inference.top_p, max_new_tokens=inference.max_new_tokens,
+                )  # fmt: skip
+                for b in range(0, len(part), inference.max_batch):
+                    some = part[b : b + inference.max_batch]
+                    seeds = [(row_seed(recipe.seed, (1, 0, members[j][0]), members[j][1]) * 4099
+                              + outs[j].trajectory.turns) % 2**63 for j in some]  # fmt: skip
+                    done = engine.generate([outs[j].trajectory.ids for j in some], params, seeds=seeds)
+                    turns = [advance(env, renderer, parser, outs[j], c.tokens, c.logprobs, 0)
+                             for j, c in zip(some, done, strict=True)]  # fmt: skip
+                    for j, o in zip(some, await asyncio.gather(*turns), strict=True):
+                        outs[j] = o
+        return outs
+
+    t0 = time.perf_counter()
+    outs = asyncio.run(play())
+    gen_s = time.perf_counter() - t0
+    result: dict[str, Any] = {"model": inference.model, "dataset": rollout.eval_dataset or rollout.dataset,
+                              "environment": env_cfg.environment, "prompts": len(rows)}  # fmt: skip
+    for label, greedy in (("greedy", True), ("sampled", False)):
+        mine = [o for (_, k), o in zip(members, outs, strict=True) if (k == 0) == greedy]
+        if not mine:
+            continue
+        ok = [o for o in mine if not math.isnan(o.reward)]
+        result[f"{label}_reward"] = round(sum(o.reward for o in ok) / max(len(ok), 1), 4)
+        for part in sorted({p for o in ok for p in o.rewards} - {"reward"}):  # "reward": one unnamed number
+            result[f"{label}/env_{part}"] = round(
+                sum(o.rewards.get(part, 0.0) for o in ok) / max(len(ok), 1), 4
+            )
+        calls = sum(o.tool_calls for o in mine)
+        errors = sum(sum(o.tool_errors.values()) for o in mine)
+        result[f"{label}/turns_mean"] = round(sum(o.trajectory.turns for o in mine) / len(mine), 3)
+        result[f"{label}/tool_calls_mean"] = round(calls / len(mine), 3)
+        result[f"{label}/tool_success"] = round((calls - errors) / calls, 4) if calls else None
+        result[f"{label}/truncated"] = sum(o.truncated is not None for o in mine)
+        result[f"{label}/failed"] = len(mine) - len(ok)
+    return {**result, "engine": inference.engine, "generate_s": round(gen_s, 3)}

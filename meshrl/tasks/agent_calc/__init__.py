@@ -31,8 +31,10 @@ def all_problems(n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def split(seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, held-out): the training rows, and no held-out rows (progress is the training reward)."""
-    return all_problems(seed=seed), []
+    """(train, held-out): 2000 training rows and 200 others drawn with another seed (`meshrl eval`)."""
+    train = all_problems(seed=seed)
+    seen = {r["prompt"] for r in train}
+    return train, [r for r in all_problems(400, seed=seed + 1) if r["prompt"] not in seen][:200]
 
 
 @tool
