@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,11 +51,36 @@ class AgentRun:
     api_key: str
     calls: list[str] = field(default_factory=list)
     """The calls answered so far, in order (by their rows' names)."""
+    _waiting: list[float] = field(default_factory=lambda: [0, 0.0, 0.0])
+    """Model calls of this session's clients in flight, seconds with one in flight, since when."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _sent(self) -> None:
+        with self._lock:
+            w = self._waiting
+            if w[0] == 0:
+                w[2] = time.monotonic()
+            w[0] += 1
+
+    def _answered(self) -> None:
+        with self._lock:
+            w = self._waiting
+            w[0] -= 1
+            if w[0] == 0:
+                w[1] += time.monotonic() - w[2]
 
     def _note(self, response: Any) -> None:
         name = response.headers.get(CALL_HEADER)
         if name:
             self.calls.append(name)
+
+    def own_s(self, since: float) -> float:
+        """Seconds since `since` (time.monotonic) that the program spent on its own, not waiting for
+        a model call of `client` or `sync_client` (calls waiting for weights or a generation slot)."""
+        with self._lock:
+            n, waited, start = self._waiting
+            now = time.monotonic()
+            return now - since - waited - (now - start if n else 0.0)
 
     @cached_property
     def client(self) -> Any:
@@ -61,11 +88,23 @@ class AgentRun:
         import httpx
         import openai
 
+        run = self
+
+        class Timed(httpx.AsyncHTTPTransport):  # the program's clock stops while a call waits
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                run._sent()
+                try:
+                    return await super().handle_async_request(request)
+                finally:
+                    run._answered()
+
         async def note(response: httpx.Response) -> None:
             self._note(response)
 
         # plain http: no TLS context (loading the CA bundle per session costs more than the call)
-        http = httpx.AsyncClient(event_hooks={"response": [note]}, timeout=None, verify=False)
+        http = httpx.AsyncClient(
+            event_hooks={"response": [note]}, timeout=None, transport=Timed(verify=False)
+        )
         return openai.AsyncOpenAI(
             base_url=self.base_url, api_key=self.api_key, http_client=http, max_retries=RETRIES
         )
@@ -76,7 +115,19 @@ class AgentRun:
         import httpx
         import openai
 
-        http = httpx.Client(event_hooks={"response": [self._note]}, timeout=None, verify=False)
+        run = self
+
+        class Timed(httpx.HTTPTransport):
+            def handle_request(self, request: httpx.Request) -> httpx.Response:
+                run._sent()
+                try:
+                    return super().handle_request(request)
+                finally:
+                    run._answered()
+
+        http = httpx.Client(
+            event_hooks={"response": [self._note]}, timeout=None, transport=Timed(verify=False)
+        )
         return openai.OpenAI(
             base_url=self.base_url, api_key=self.api_key, http_client=http, max_retries=RETRIES
         )

@@ -1,10 +1,11 @@
 """Tools: typed Python functions the model may call.
 
-`Tool.from_function(f)` takes the JSON schema transformers makes of `f` (`get_json_schema`: the type
-hints, the docstring's first paragraph as the description, and its "Args:" section, which must
-describe every parameter), the schema `tokenizer.apply_chat_template(..., tools=...)` renders into the
-prompt and an OpenAI client sends. It leaves out transformers' "return" entry, which OpenAI's function
-schema does not have.
+`Tool.from_function(f)` (or `@tool`) takes the JSON schema transformers makes of `f` (`get_json_schema`:
+the type hints, the docstring's text before "Args:" as the description, and its "Args:" section, which
+must describe every parameter), the schema `tokenizer.apply_chat_template(..., tools=...)` renders
+into the prompt and an OpenAI client sends. It leaves out transformers' "return" entry, which OpenAI's
+function schema does not have. The schema is made on first use (the environment service's start-up),
+not at import: planning a recipe imports its environment, and stays free of transformers.
 
 `call_tools` runs one turn's calls concurrently. Nothing a tool or the model does crashes a
 trajectory: a malformed call, an unknown tool, bad arguments, a tool that raises, or one that outlives
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import json
 from collections import Counter
@@ -31,20 +33,24 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     """Sync or async; its result is sent to the model as text (`str()`, or JSON for dicts and lists)."""
-    schema: dict[str, Any]
-    """OpenAI-style function schema: {"type": "function", "function": {name, description, parameters}}."""
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any]) -> Tool:
-        from transformers.utils import get_json_schema
+        return cls(fn.__name__, fn)
+
+    @functools.cached_property
+    def schema(self) -> dict[str, Any]:
+        """OpenAI-style function schema: {"type": "function", "function": {name, description, parameters}}.
+        Raises TypeError naming the tool when transformers cannot describe it."""
+        from transformers.utils.chat_template_utils import get_json_schema
 
         try:
-            schema = get_json_schema(fn)
+            schema = get_json_schema(self.fn)
         except Exception as e:  # no type hint, an undescribed argument, *args: say which tool
-            raise TypeError(f"tool {getattr(fn, '__name__', fn)!r}: {e}") from e
+            raise TypeError(f"tool {self.name!r}: {e}") from e
         schema["function"].pop("return", None)
         schema["function"]["parameters"].setdefault("required", [])
-        return cls(fn.__name__, fn, schema)
+        return schema
 
     @property
     def parameters(self) -> list[str]:

@@ -51,7 +51,10 @@ class AgentsConfig(ServiceConfig):
     concurrency: int = 64
     """Programs one replica runs at once (asyncio; plain functions on threads)."""
     timeout_s: float = 600.0
-    """A program running longer fails its trajectory (counted; not trained)."""
+    """Seconds of a program's own time, after which its trajectory fails (counted; not trained). Time
+    its session's clients (`run.client`, `run.sync_client`) wait for a model call is not counted: a
+    call parked for the weights it needs (the next step's programs start while the step before
+    trains) or queued for generation is the run's time, bounded by endpoint.call_timeout_s."""
     settle_s: float = 2.0
     """After a program that made its calls with a client of its own (not AgentRun.client): how long to
     wait for the last of them to be recorded."""

@@ -26,6 +26,7 @@ import math
 import secrets
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,11 +215,11 @@ class AgentsService(Service):
         failure: tuple[str, str] | None = None
         parts: dict[str, float] = {}
         try:
-            async with asyncio.timeout(cfg.timeout_s):
-                if inspect.iscoroutinefunction(self.program):
-                    value = await self.program(run, **cfg.program_args)
-                else:
-                    value = await asyncio.to_thread(self.program, run, **cfg.program_args)
+            if inspect.iscoroutinefunction(self.program):
+                running = self.program(run, **cfg.program_args)
+            else:
+                running = asyncio.to_thread(self.program, run, **cfg.program_args)
+            value = await _within_own_time(run, running, cfg.timeout_s)
         except TimeoutError:
             failure = ("timeout", f"timed out after {cfg.timeout_s:g}s (agents.timeout_s)")
         except Exception as e:  # the program's own failure: this trajectory fails, the run goes on
@@ -347,3 +348,21 @@ class AgentsService(Service):
                 "alive, %.3f s generating", dict(self.counts), self.span[1] - self.span[0], *self.times.values(),
             )  # fmt: skip
         super().close()
+
+
+async def _within_own_time(run: AgentRun, program: Awaitable[Any], limit_s: float) -> Any:
+    """The program's result, or TimeoutError once it has spent `limit_s` seconds of its own: time its
+    session's clients wait for a model call (parked for the weights it needs, queued for generation)
+    is not counted; the endpoint's call_timeout_s bounds that."""
+    task = asyncio.ensure_future(program)
+    since = time.monotonic()
+    try:
+        while (left := limit_s - run.own_s(since)) > 0:
+            done, _ = await asyncio.wait({task}, timeout=left)
+            if done:
+                return task.result()
+        raise TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -165,13 +165,13 @@ def test_every_task_trains_once_as_one_sample(
 def test_failing_programs_are_counted_and_never_trained(tmp_path: Path, arith_model: Path) -> None:
     steps, run_dir = 3, tmp_path / "run"
     r = run(tmp_path, f"*.model={arith_model}", f"total_steps={steps}", "prompts_per_step=8", "group_size=4",
-            "rollout.eval_every=0", f"run_dir={run_dir}", f"agents.program={PROGRAMS}:flaky", "agents.timeout_s=20",
+            "rollout.eval_every=0", f"run_dir={run_dir}", f"agents.program={PROGRAMS}:flaky", "agents.timeout_s=10",
             "rollout.max_failed_fraction=0.5", recipe=RECIPE)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     done = counts(run_dir, "agents")
     assert done["failed"] > 0 and done["finished"] >= steps * 32, done
     log = "".join(p.read_text() for p in (run_dir / "logs").glob("agents-*.log"))
-    assert "the agent broke on" in log and "timed out after 20s" in log and "not a reward" in log
+    assert "the agent broke on" in log and "timed out after 10s" in log and "not a reward" in log
     assert done["failed_raised"] and done["failed_timeout"] and done["failed_bad_reward"], done
 
 
