@@ -46,10 +46,10 @@ RECIPE = REPO / "recipes" / "agent_sim.py"
 REPLICAS, BATCH, GROUP = 4, 8, 128
 
 ENV_LINE = re.compile(
-    r"(\d+) trajectories, (\d+) turns, ([\d.]+) s from the first start to the last finish; trajectories' "
+    r"(\d+) trajectories, (\d+) turns, ([\d.]+) s from the first start to the last finish \(([\d.]+) to "
+    r"([\d.]+)\); trajectories' "
     r"time: ([\d.]+) s alive, ([\d.]+) s generating, ([\d.]+) s in the environment"
 )
-GEN_LINE = re.compile(r"([\d.]+) s busy over ([\d.]+) s from the first batch")
 
 
 def mesh(model: Path, work: Path, steps: int) -> dict[str, float]:
@@ -61,15 +61,29 @@ def mesh(model: Path, work: Path, steps: int) -> dict[str, float]:
         raise SystemExit(f"the mesh run failed:\n{proc.stderr[-4000:]}")
     logs = run_dir / "logs"
     (env,) = [m for p in logs.glob("env-*.log") if (m := ENV_LINE.search(p.read_text()))]
-    n, turns, span, life, gen, in_env = (float(x) for x in env.groups())
-    busy = [m for p in logs.glob("inference-*.log") if (m := GEN_LINE.search(p.read_text()))]
+    n, turns, span, start, end, life, gen, in_env = (float(x) for x in env.groups())
+    batches = [json.loads(p.read_text()) for p in sorted(logs.glob("inference-*.batches.json"))]
+    if len(batches) != REPLICAS:
+        raise SystemExit(f"expected {REPLICAS} inference replicas' batch records, found {len(batches)}")
+    cut = STEADY_CUT * span
     return {
         "trajectories": n,
         "trajectories_per_s": n / span,
         "turns_per_s": turns / span,
-        "generation_busy": sum(float(m.group(1)) for m in busy) / (REPLICAS * span),
+        "generation_busy": busy_share(batches, start, end),
+        "generation_busy_steady": busy_share(batches, start + cut, end - cut),
         "overhead_fraction": (life - gen - in_env) / life,
     }
+
+
+STEADY_CUT = 0.1
+"""The steady state: the run's span less its first and last tenth (the ramp-up and the drain)."""
+
+
+def busy_share(batches: list[list[list[float]]], start: float, end: float) -> float:
+    """The share of replica-seconds in [start, end] spent generating (each batch clipped to it)."""
+    busy = sum(max(0.0, min(b, end) - max(a, start)) for replica in batches for a, b in replica)
+    return busy / (len(batches) * (end - start))
 
 
 def barrier(trajectories: int, seed: int = 0) -> float:
@@ -122,6 +136,7 @@ def main() -> None:
         "trajectories_per_s": round(m["trajectories_per_s"], 2),
         "turns_per_s": round(m["turns_per_s"], 1),
         "generation_busy": round(m["generation_busy"], 3),
+        "generation_busy_steady": round(m["generation_busy_steady"], 3),
         "barrier_trajectories_per_s": round(base, 2),
         "speedup_vs_barrier": round(m["trajectories_per_s"] / base, 2),
         "overhead_fraction": round(m["overhead_fraction"], 3),

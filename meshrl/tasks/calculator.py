@@ -9,8 +9,8 @@ A good trajectory is two turns:
     tool       10865
     assistant  41 * 265 = 10865. Answer: 10865
 
-The system prompt describes the tool (its JSON schema in <tools></tools>, as Hermes-format templates
-put it), so any chat template works, one without a tools section too (SmolLM2's). The reward has two
+The system prompt shows the call (so any chat template works, one without a tools section too:
+SmolLM2's); it leaves out the tool's JSON schema, which would triple the prompt every step trains on. The reward has two
 named parts: `correct` (the final answer, after "Answer:", is the row's) and `format` (0.1 for ending
 with "Answer: N"). `python -m meshrl.tasks.calculator --out FILE` writes demonstrations for `meshrl sft`
 (recipes/agent_smollm.py: the warm start before RL).
@@ -68,14 +68,11 @@ def _eval(node: ast.AST) -> int | float:
     raise ValueError("only numbers, + - * / and parentheses are allowed")
 
 
-def system_prompt() -> str:
-    """How to call the calculator, and its schema in <tools></tools> (made on first use: transformers)."""
-    return (
-        "You can use a calculator. To use it, reply with only a tool call:\n"
-        '<tool_call>{"name": "calculator", "arguments": {"expression": "41 * 265"}}</tool_call>\n'
-        "When the result comes back, end with 'Answer: ' and the number.\n"
-        "<tools>" + json.dumps(calculator.schema) + "</tools>"
-    )
+SYSTEM = (
+    'You have a calculator. Call it with <tool_call>{"name": "calculator", "arguments": '
+    '{"expression": "41 * 265"}}</tool_call> and end with "Answer: " and the number.'
+)
+"""How to call the calculator, in the Hermes format (short: every token of it is trained on CPU)."""
 
 
 def answer_of(text: str) -> str | None:
@@ -89,8 +86,8 @@ class CalculatorEnv(Environment):
 
     tools = (calculator,)
 
-    def __init__(self, system: str | None = None) -> None:
-        self.system = system or system_prompt()
+    def __init__(self, system: str = SYSTEM) -> None:
+        self.system = system
 
     async def reset(self, row: dict[str, Any]) -> tuple[list[Message], State]:
         messages = [
@@ -110,7 +107,7 @@ def demonstrations(n: int, tool_fraction: float, seed: int = 2) -> list[dict[str
     format, and RL finds that the tool is what makes answers right)."""
     import reasoning_gym
 
-    rng, system = random.Random(seed), system_prompt()
+    rng, system = random.Random(seed), SYSTEM
     rows = reasoning_gym.create_dataset("basic_arithmetic", **{**ARITHMETIC, "size": n, "seed": seed})
     out = []
     for row in rows:

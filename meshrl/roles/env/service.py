@@ -286,9 +286,9 @@ class EnvService(Service):
         if getattr(self, "span", None):
             c, t = self.counts, self.times
             self.log.info(
-                "%d trajectories, %d turns, %.3f s from the first start to the last finish; trajectories' "
-                "time: %.3f s alive, %.3f s generating, %.3f s in the environment",
-                c["finished"], c["turns"], self.span[1] - self.span[0], t["life_s"], t["gen_s"], t["env_s"],
+                "%d trajectories, %d turns, %.3f s from the first start to the last finish (%.3f to %.3f); "
+                "trajectories' time: %.3f s alive, %.3f s generating, %.3f s in the environment",
+                c["finished"], c["turns"], self.span[1] - self.span[0], *self.span, t["life_s"], t["gen_s"], t["env_s"],
             )  # fmt: skip
         super().close()
 

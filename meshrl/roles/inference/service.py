@@ -119,6 +119,7 @@ class InferenceService(Service):
         self.batches = self.generated = self.aborted = 0
         self.busy_s = 0.0  # generating, from the first batch's start to the last's end (logged at close)
         self.span: tuple[float, float] | None = None
+        self.intervals: list[tuple[float, float]] = []  # each batch's (start, end), wall clock
         self.waiting: list[Waiting] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.new_version: asyncio.Event | None = None
@@ -276,6 +277,9 @@ class InferenceService(Service):
                 "generated %d rows in %d batches: %.3f s busy over %.3f s from the first batch to the last end",
                 self.generated, self.batches, self.busy_s, self.span[1] - self.span[0],
             )  # fmt: skip
+            # when each batch ran (benchmarks/agent_sim.py: how busy the replicas were, and when)
+            path = self.ctx.run_dir / "logs" / f"{self.ctx.name}.batches.json"
+            path.write_text(json.dumps([[round(a, 4), round(b, 4)] for a, b in self.intervals]))
         if hasattr(self, "engine"):
             self.engine.close()
         super().close()
@@ -412,6 +416,8 @@ class InferenceService(Service):
     def columns(self, out: Completions, gen_s: float) -> dict[str, Any]:
         """The batch's columns (ragged ones built flat: one tensor each, not one per row); the counts."""
         t_end = time.perf_counter()
+        if len(self.intervals) < 200_000:  # bounded: a long run keeps its first 200k batches
+            self.intervals.append((time.time() - gen_s, time.time()))
         self.busy_s += gen_s
         self.span = (t_end - gen_s if self.span is None else self.span[0], t_end)
         self.batches += 1

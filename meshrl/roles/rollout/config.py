@@ -150,13 +150,19 @@ class RolloutConfig(ServiceConfig):
     max_failed_fraction: float = 0.2
     """Stop the run when more than this fraction of samples could not be scored."""
     eval_every: int = 0
-    """Evaluate (greedy and sampled accuracy) every this many weight versions; 0 = only before and after."""
+    """Evaluate (greedy and sampled accuracy) every this many weight versions; 0 = only before and after.
+    Not with an environment's reward (agents): `meshrl eval` plays their held-out trajectories."""
     eval_samples: int = 1
     """Sampled completions per eval prompt (besides the greedy one)."""
 
     def validate(self) -> Iterator[str]:
         if self.window is not None and self.window < 1:
             yield "window: must be >= 1 or None"
+        if self.eval_every and "env" in self.rewards:
+            yield (
+                "eval_every: a run's evaluation generates one completion per held-out prompt; an agent's "
+                "trajectories are evaluated whole by `meshrl eval RECIPE --model RUN_DIR` (set eval_every=0)"
+            )
         if self.reward_threads < 1 or not self.reward_timeout_s > 0:
             yield "reward_threads, reward_timeout_s: must be >= 1 and > 0"
         if not 0 <= self.max_failed_fraction <= 1:

@@ -50,6 +50,9 @@ class RolloutService(Service):
         if bad:
             self.log.warning("%d dataset rows skipped; the first: %s", len(bad), "; ".join(bad[:5]))
         ctx.health.info["bad_rows"] = len(bad)
+        if "env" in cfg.rewards and eval_rows:  # an agent's: played whole by `meshrl eval`, not here
+            self.log.info("held-out rows of an agent are evaluated by `meshrl eval`, not in the run")
+            eval_rows = []
 
         self.statefile = StateFile(ctx.run_dir / "rejoin" / f"{ctx.name}.{ctx.launch}")
         predecessor = self.statefile.read()

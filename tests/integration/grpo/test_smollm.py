@@ -42,3 +42,39 @@ def test_grpo_smollm_runs_a_few_steps_and_saves_a_loadable_checkpoint(tmp_path, 
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     assert model.config.model_type == "llama" and model.num_parameters() > 100e6
+
+
+@pytest.mark.slow
+def test_agent_smollm_path_demonstrations_sft_run_and_eval(tmp_path, smollm):
+    """recipes/agent_smollm.py's commands in miniature on the real chat model: demonstrations, `meshrl
+    sft` on them, a run whose trajectories call the calculator in the Hermes format through SmolLM2's
+    template (which has no tools section), and `meshrl eval` playing held-out trajectories."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def meshrl(*args: str, module: str = "meshrl.cli") -> str:
+        r = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        assert r.returncode == 0, r.stderr[-4000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    meshrl("--out", "demos.jsonl", "-n", "48", "--tool-fraction", "1.0", module="meshrl.tasks.calculator")
+    sft = json.loads(meshrl("sft", "--model", str(smollm), "--data", "demos.jsonl", "--out", "sft", "--steps", "3",
+                            "--batch", "16", "--lr", "5e-5", "--eval-fraction", "0"))  # fmt: skip
+    assert sft["train_loss_last"] < sft["train_loss_first"]
+    run_dir = tmp_path / "run"
+    r = run(tmp_path, f"*.model={tmp_path / 'sft'}", f"run_dir={run_dir}", "total_steps=1", "prompts_per_step=2",
+            "group_size=4", "trainer.optim.warmup_steps=0", timeout=900, recipe=str(REPO / "recipes" / "agent_smollm.py"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    (m,) = rows(run_dir / "metrics.jsonl")
+    assert m["agent/tool_calls_mean"] > 0 and m["agent/turns_mean"] > 1, m
+    (scored,) = rows(run_dir / "rewards.jsonl")
+    assert {"reward/env", "reward/env_correct", "reward/env_format"} <= set(scored), scored
+    assert any("<tool_call>" in s["completion"] for s in rows(run_dir / "samples.jsonl"))
+    result = json.loads(meshrl("eval", str(REPO / "recipes" / "agent_smollm.py"), "--model", str(run_dir),
+                               "rollout.eval_size=4", "rollout.eval_samples=1"))  # fmt: skip
+    assert result["prompts"] == 4 and result["greedy/failed"] == 0 and result["greedy/tool_calls_mean"] > 0, (
+        result
+    )

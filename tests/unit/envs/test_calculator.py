@@ -49,5 +49,5 @@ def test_demonstrations_call_the_tool_on_their_share_and_are_right() -> None:
         assert m[3] == {"role": "tool", "content": calculator.fn(call.arguments["expression"])}
         assert answer_of(m[4]["content"]) == m[3]["content"]
     assert all(
-        r["messages"][0]["role"] == "system" and "<tools>" in r["messages"][0]["content"] for r in rows
+        r["messages"][0]["role"] == "system" and "<tool_call>" in r["messages"][0]["content"] for r in rows
     )
