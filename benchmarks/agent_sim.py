@@ -5,26 +5,30 @@
 Runs recipes/agent_sim.py (real services and data plane; generation, tools and training replaced by
 sleeps): 4 inference replicas (batches of up to 8, 1 ms per decoding step, lognormal turn lengths with
 median 30 tokens), trajectories of 2-8 turns whose tool calls take lognormal times (median 50 ms, 99th
-percentile ~2 s), stepped by the environment service with no loop waiting for the slowest. Then, in
-this process, the same work as a single global loop does it (the barrier baseline): a batch of 128
-trajectories, each round generating every active trajectory's turn on the same 4 simulated engines
-(threads) and waiting for the slowest tool before the next round.
+percentile ~2 s) under a 2.5 s tool timeout (the env's `tool_timeout_s`: 0.6% of calls time out),
+stepped by the environment service with no loop waiting for the slowest. Then, in this process, the
+same work as a single global loop does it (the barrier baseline): a batch of 128 trajectories, each
+round generating every active trajectory's turn on the same 4 simulated engines (threads) and waiting
+for the slowest tool (the same timeout) before the next round.
 
 - trajectories_per_s, turns_per_s: the mesh, from its first trajectory start to its last finish;
-- generation_busy: the share of that time inference replicas spend generating (target >= 0.9);
+- generation_busy: the share of that whole span the inference replicas spend generating (target
+  >= 0.9), from each replica's record of its batches (logs/inference-*.batches.json);
+- generation_busy_steady: the same share over the span less its first and last tenth;
 - barrier_trajectories_per_s, speedup_vs_barrier (target >= 3);
 - overhead_fraction: the share of a trajectory's life spent neither generating nor in the environment
   (waiting in queues for a generation batch, data-plane transfers, bookkeeping).
 
-Measured here (2 shared CPU cores, `--steps 24`, the default: 3072 trajectories): 44.5 trajectories/s,
-225 turns/s, generation_busy 0.966, barrier 7.2 trajectories/s, speedup 6.2, overhead_fraction 0.97.
-What keeps generation_busy under 1 is the end of the run, not the pipeline: per batch, the time from
-one batch's acknowledgement to the next batch's start is 0.2-0.4 ms (median, p90), since a claim is
-answered from rows already waiting; the last ~4 s, when the feed is exhausted and the last
-trajectories wait on their slowest tools, leave replicas idle. A run of 6 steps (768 trajectories, 20
-s) measures 0.64-0.82 for that reason alone; a longer run measures the steady state more closely.
-The overhead is queueing: the env service keeps up to 512 trajectories in flight for 4 x 8 generation
-slots, so a trajectory mostly waits for a slot (more so the longer the run keeps the queue full).
+Measured here (2 shared CPU cores, `--steps 24`, the default: 3072 trajectories), three runs: 44.8-45.0
+trajectories/s, 223-225 turns/s, generation_busy 0.954-0.960, steady 0.964-0.968, barrier 8.0
+trajectories/s, speedup 5.6, overhead_fraction 0.97. The steady state is the pipeline: per replica,
+the median gap between one batch's end and the next one's start is ~5 ms. What the whole span adds is
+its ends: the first second (trajectories starting) and the drain once the feed is exhausted. Before
+the tool timeout, the drain was the whole gap: the slowest of the ~12,600 tool calls (an uncapped
+lognormal reaches 10-25 s) kept the last trajectory, and the run, going while every replica idled for
+up to 12 s; three runs measured 0.82-0.96 whole (0.964-0.966 steady). The overhead is queueing: the
+env service keeps up to 512 trajectories in flight for 4 x 8 generation slots, so a trajectory mostly
+waits for a slot.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def barrier(trajectories: int, seed: int = 0) -> float:
     from meshrl.engines.base import SamplingParams
     from meshrl.engines.settings import SimGeneration
     from meshrl.engines.sim import SimInferenceEngine
-    from meshrl.envs.sim import MAX_TURNS, MIN_TURNS, tool_latency
+    from meshrl.envs.sim import MAX_TURNS, MIN_TURNS, TOOL_TIMEOUT_S, tool_latency
 
     rng = random.Random(seed)
     engines = [
@@ -105,7 +109,7 @@ def barrier(trajectories: int, seed: int = 0) -> float:
             engines[k].generate([[0]] * min(BATCH, rows - start), params)
 
     async def tools(n: int) -> None:
-        await asyncio.gather(*(asyncio.sleep(tool_latency(rng)) for _ in range(n)))
+        await asyncio.gather(*(asyncio.sleep(min(tool_latency(rng), TOOL_TIMEOUT_S)) for _ in range(n)))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(REPLICAS) as pool:

@@ -148,7 +148,7 @@ TRUNCATED = "truncated"
 TRAJ_FAILED = "failed"
 """bool: on an agent's sample, the environment or program failed (its reward is NaN)."""
 TOOL_CALLS = "tool_calls"
-"""int: on an environment's sample, the tool calls its model turns made (malformed ones included)."""
+"""int: on an environment's sample, the tool calls its steps ran (`call_tools`; malformed ones included)."""
 TOOL_ERRORS = "tool_errors"
 """str: on an environment's sample, its tool errors by kind, a JSON object over TOOL_ERROR_KINDS."""
 TOOL_ERROR_KINDS = ("malformed", "unknown_tool", "arguments", "raised", "timeout")

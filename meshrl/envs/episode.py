@@ -50,6 +50,11 @@ class Outcome:
     tool_errors: Counter[str] = field(default_factory=Counter)
     """Tool errors by kind (schema.TOOL_ERROR_KINDS)."""
 
+    def count_tools(self, tally: Counter[str]) -> None:
+        """Add one step's tally of `call_tools` (its calls, its errors by kind)."""
+        self.tool_calls += tally.pop("calls", 0)
+        self.tool_errors.update(tally)
+
 
 async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Outcome:
     """Reset on `row` and render the first context; a failure ends the trajectory before any turn."""
@@ -85,8 +90,8 @@ async def advance(
     text = renderer.decode(response)
     turn = Turn(text, parser.parse(text))
     outcome.transcript.append(turn.message())
-    outcome.tool_calls += len(turn.tool_calls)
-    counting = tools.errors.set(outcome.tool_errors)
+    counted: Counter[str] = Counter()
+    counting = tools.tally.set(counted)
     try:
         step = await _within(env.step(state, turn), limits.step_timeout_s)
         if not isinstance(step, Step):
@@ -97,7 +102,8 @@ async def advance(
         outcome.done, outcome.failed = True, _why("step", e, limits)
         return outcome
     finally:
-        tools.errors.reset(counting)
+        tools.tally.reset(counting)
+        outcome.count_tools(counted)
     if step.done:
         return await _finish(env, outcome, turn, limits)
     if traj.turns >= limits.max_turns:

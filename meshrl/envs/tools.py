@@ -78,8 +78,9 @@ def tool(fn: Callable[..., Any]) -> Tool:
     return Tool.from_function(fn)
 
 
-errors: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar("tool_errors", default=None)
-"""Where `call_tools` counts its errors by kind: the episode sets a fresh Counter around each step."""
+tally: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar("tool_tally", default=None)
+"""Where `call_tools` counts the calls it ran ("calls") and their errors by kind: the episode sets its
+trajectory's Counter around each step."""
 
 
 async def call_tools(
@@ -88,8 +89,9 @@ async def call_tools(
     """One tool message per call, in the calls' order, the calls run concurrently."""
     by_name = {t.name: t for t in tools}
     results = await asyncio.gather(*(_call(by_name, c, timeout_s) for c in calls))
-    counter = errors.get()
+    counter = tally.get()
     if counter is not None:
+        counter["calls"] += len(calls)
         counter.update(kind for _, kind in results if kind is not None)
     return [
         {"role": "tool", "name": c.name, "content": text} for c, (text, _) in zip(calls, results, strict=True)
