@@ -144,7 +144,14 @@ def test_calls_and_their_errors_become_tool_messages() -> None:
     assert out[5] == "error: boom raised RuntimeError: kaput"
     assert out[6] == "error: tool call is not JSON"
     assert out[7] == "error: slow timed out after 0.2s"
-    assert counted == {"calls": 8, "arguments": 3, "unknown_tool": 1, "raised": 1, "malformed": 1, "timeout": 1}
+    assert counted == {
+        "calls": 8,
+        "arguments": 3,
+        "unknown_tool": 1,
+        "raised": 1,
+        "malformed": 1,
+        "timeout": 1,
+    }
     assert set(counted) - {"calls"} <= set(TOOL_ERROR_KINDS)
 
 
