@@ -19,9 +19,11 @@ calls joined into one sample afterwards).
   (target >= 0.8); env_service_trajectories_per_s, trajectories_per_s beside it;
 - segments_per_trajectory: sequences per trained sample (1.0: every call joined the one before).
 
-Measured here (2 shared CPU cores, the default 12 steps: 1536 trajectories each run, 1 m 42 s in all):
-requests_per_s 176.6, added_latency_ms_p50 16.2, p99 474, generation_busy 0.77 (the environment
-service's run: 0.74), ratio_vs_env_service 1.04 (35.8 against 34.4 trajectories/s), segments 1.0.
+Measured here (2 shared CPU cores, the default 12 steps: 1536 trajectories each run, 1 m 27 s in all),
+with the simulated tool's 2.5 s timeout in both runs (meshrl/envs/sim.py): requests_per_s 209.5,
+added_latency_ms_p50 16.6, p99 478, generation_busy 0.89 (the environment service's run: 0.935),
+ratio_vs_env_service 0.94 (41.5 against 44.0 trajectories/s), segments 1.0. Before that timeout the
+drain behind the slowest tool call dominated both runs (generation_busy 0.77 and 0.74, ratio 1.04).
 The added latency is mostly waiting for a CPU: on 2 cores the agents process (512 programs, the openai
 client's parsing), the endpoint and 4 simulated replicas share them; the p99 is the end of the run,
 when the last programs' calls queue behind the final batch.
