@@ -121,24 +121,35 @@ def generate(
 ) -> list[list[int]]:
     """One completion per meta row (greedy or sampled), in batches of `inference.max_batch`, seeded as
     the inference service seeds evaluation rows."""
-    from meshrl.engines.base import SamplingParams
-    from meshrl.roles.inference.engine import row_seed
 
     out: list[list[int]] = [[] for _ in meta]
     for greedy in (False, True):
         todo = [j for j, m in enumerate(meta) if m[GREEDY] == greedy]
-        params = SamplingParams(
-            temperature=0.0 if greedy else recipe.temperature, top_k=inference.top_k,
-            top_p=inference.top_p, max_new_tokens=inference.max_new_tokens,
-        )  # fmt: skip
+        params = _sampling(inference, recipe, greedy)
         for start in range(0, len(todo), inference.max_batch):
             part = todo[start : start + inference.max_batch]
-            seeds = [row_seed(recipe.seed, (1, 0, meta[j][PROMPT_ID]), meta[j][MEMBER]) * 4099 % 2**63
-                     for j in part]  # fmt: skip
+            seeds = [_seed(recipe, meta[j][PROMPT_ID], meta[j][MEMBER]) for j in part]
             done = engine.generate([prompts[meta[j][PROMPT_ID]] for j in part], params, seeds=seeds)
             for j, c in zip(part, done, strict=True):
                 out[j] = c.tokens
     return out
+
+
+def _sampling(inference: Any, recipe: Any, greedy: bool) -> Any:
+    """The sampling parameters of an evaluation's greedy or sampled completions."""
+    from meshrl.engines.base import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0 if greedy else recipe.temperature, top_k=inference.top_k, top_p=inference.top_p,
+        max_new_tokens=inference.max_new_tokens,
+    )  # fmt: skip
+
+
+def _seed(recipe: Any, prompt: int, member: int) -> int:
+    """The seed the inference service gives member `member` of held-out prompt `prompt` (version 0)."""
+    from meshrl.roles.inference.engine import row_seed
+
+    return row_seed(recipe.seed, (1, 0, prompt), member) * 4099 % 2**63
 
 
 def evaluate_env(rollout: Any, inference: Any, env_cfg: Any, recipe: Any) -> dict[str, Any]:
@@ -149,11 +160,10 @@ def evaluate_env(rollout: Any, inference: Any, env_cfg: Any, recipe: Any) -> dic
     import torch
     from transformers import AutoTokenizer
 
-    from meshrl.engines.base import SamplingParams
     from meshrl.envs.episode import Outcome, advance, start
     from meshrl.envs.parsers import build_parser
     from meshrl.envs.render import Renderer
-    from meshrl.roles.inference.engine import build_engine, row_seed
+    from meshrl.roles.inference.engine import build_engine
     from meshrl.roles.rollout.data import load_rows
 
     _, rows = load_rows(rollout)
@@ -176,14 +186,10 @@ def evaluate_env(rollout: Any, inference: Any, env_cfg: Any, recipe: Any) -> dic
         while todo := [j for j, o in enumerate(outs) if not o.done]:
             for greedy in (False, True):
                 part = [j for j in todo if (members[j][1] == 0) == greedy]
-                params = SamplingParams(
-                    temperature=0.0 if greedy else recipe.temperature, top_k=inference.top_k,
-                    top_p=inference.top_p, max_new_tokens=inference.max_new_tokens,
-                )  # fmt: skip
+                params = _sampling(inference, recipe, greedy)
                 for b in range(0, len(part), inference.max_batch):
                     some = part[b : b + inference.max_batch]
-                    seeds = [(row_seed(recipe.seed, (1, 0, members[j][0]), members[j][1]) * 4099
-                              + outs[j].trajectory.turns) % 2**63 for j in some]  # fmt: skip
+                    seeds = [(_seed(recipe, *members[j]) + outs[j].trajectory.turns) % 2**63 for j in some]
                     done = engine.generate([outs[j].trajectory.ids for j in some], params, seeds=seeds)
                     turns = [advance(env, renderer, parser, outs[j], c.tokens, c.logprobs, 0)
                              for j, c in zip(some, done, strict=True)]  # fmt: skip

@@ -13,6 +13,7 @@ from meshrl.envs import Environment, Limits, Message, State, Step, Turn, tool
 from meshrl.envs.episode import advance, start
 from meshrl.envs.parsers import PlainParser
 from meshrl.envs.render import Renderer
+from meshrl.envs.sim import wait
 from meshrl.models.tiny import build_tokenizer
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, TOKEN_VERSIONS
 
@@ -193,17 +194,6 @@ def test_reward_sees_the_transcript_and_tool_figures_are_kept(tok: Any) -> None:
     ]
     assert [m["role"] for m in transcript] == ["user", *["assistant", "tool"] * 3, "assistant"]
     assert transcript[-1] == {"role": "assistant", "content": "51"}
-
-
-@tool
-async def wait(seconds: float) -> str:
-    """Wait.
-
-    Args:
-        seconds: how long
-    """
-    await asyncio.sleep(seconds)
-    return "done"
 
 
 class SlowTool(Calc):
