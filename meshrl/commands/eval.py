@@ -73,8 +73,9 @@ def _configs(path: str, overrides: list[str]) -> tuple[Any, Any, Any]:
     if rollout is None or inference is None:
         raise RecipeError(["meshrl eval needs a recipe with a rollout and an inference group"])
     if any(type(g.config).__name__ == "AgentsConfig" for g in recipe.groups):
-        raise RecipeError(["meshrl eval does not run agent programs (an agents group): evaluate through a run "
-                           "(rollout.eval_every) or the program itself against `meshrl serve`"])  # fmt: skip
+        raise RecipeError(["meshrl eval does not run agent programs (an agents group): they call a run's "
+                           "endpoint; follow them by the run's reward (rewards.jsonl), or point the program "
+                           "at any OpenAI-compatible server"])  # fmt: skip
     return rollout, inference, recipe
 
 
