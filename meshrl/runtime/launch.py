@@ -294,7 +294,7 @@ class Launcher:
                         continue
                     running.remove(c)
                     if code != 0:
-                        return self._fail(c, controller, secret)
+                        return self._fail(self._cause(c), controller, secret)
                 time.sleep(0.1)
         finally:
             if follower is not None:
@@ -312,9 +312,9 @@ class Launcher:
                 out[child.name] = (str(h["phase"]), float(h.get("phase_s", 0.0)))
         return out
 
-    def _rejoin(self, child: Child) -> bool:
-        """Restart a failed process on its own, if its service re-joins a running run and its group's
-        policy allows another restart; the rows it had claimed came back when its connection closed."""
+    def _may_rejoin(self, child: Child) -> bool:
+        """Whether a failed process may restart on its own: its service re-joins a running run, it is in
+        no colocation ring, and its group's policy allows another restart."""
         group = self.processes[child.name].group
         g = self.recipe.group(group)
         policy, done = g.restart, self.rejoined.get(group, 0)
@@ -323,13 +323,26 @@ class Launcher:
             return False
         # replicas of a stateful service (rollout) share their claims: a successor could not tell the rows
         # its predecessor had counted from rows another replica handed back, so the run restarts instead
-        if g.config.stateful and g.replicas > 1:
+        return not (g.config.stateful and g.replicas > 1)
+
+    def _cause(self, child: Child) -> Child:
+        """The failure to act on when `child` failed: another failed process of this launcher that cannot
+        re-join (the trainer whose death broke the replica's weight group), else `child` itself."""
+        others = (o for o in self.children if o is not child and o.poll() not in (None, 0))
+        return next((o for o in others if not self._may_rejoin(o)), child)
+
+    def _rejoin(self, child: Child) -> bool:
+        """Restart a failed process on its own, if it may (`_may_rejoin`) and the run is not failing anyway;
+        the rows it had claimed came back when its connection closed."""
+        if not self._may_rejoin(child):
             return False
+        group = self.processes[child.name].group
+        policy, done = self.recipe.group(group).restart, self.rejoined.get(group, 0)
         delay = policy.backoff_s * 2**done
         self.signals.sleep(delay)
-        # a run that is failing anyway (say the trainer this replica received weights from died) restarts
-        # as a whole from its checkpoint: no restart of this one process first
-        if (self.run_dir / "failure.json").exists():
+        # a run that is failing anyway (say the trainer this replica received weights from died, here or
+        # on another launcher) restarts as a whole from its checkpoint: no restart of this one process first
+        if (self.run_dir / "failure.json").exists() or self._cause(child) is not child:
             return False
         self.rejoined[group] = done + 1
         print(f"[meshrl] {child.name} failed (exit code {child.poll()}); restarting it alone after a {delay:.0f}s "
