@@ -315,15 +315,12 @@ class Launcher:
     def _may_rejoin(self, child: Child) -> bool:
         """Whether a failed process may restart on its own: its service re-joins a running run, it is in
         no colocation ring, and its group's policy allows another restart."""
-        group = self.processes[child.name].group
-        g = self.recipe.group(group)
-        policy, done = g.restart, self.rejoined.get(group, 0)
-        in_ring = any(m.group == group for r in self.recipe.rings for m in r.members)
-        if not g.config.rejoins or in_ring or policy.mode != "on-failure" or done >= policy.max_restarts:
-            return False
+        g = self.recipe.group(self.processes[child.name].group)
+        in_ring = any(m.group == g.id for r in self.recipe.rings for m in r.members)
         # replicas of a stateful service (rollout) share their claims: a successor could not tell the rows
         # its predecessor had counted from rows another replica handed back, so the run restarts instead
-        return not (g.config.stateful and g.replicas > 1)
+        ok = g.config.rejoins and not in_ring and (not g.config.stateful or g.replicas == 1)
+        return ok and g.restart.mode == "on-failure" and self.rejoined.get(g.id, 0) < g.restart.max_restarts
 
     def _cause(self, child: Child) -> Child:
         """The failure to act on when `child` failed: another failed process of this launcher that cannot
@@ -366,12 +363,8 @@ class Launcher:
                 json.dump(failure, f)
         except FileExistsError:
             pass
-        print(
-            f"\n[meshrl] service {child.name} failed (exit code {code}, rank {rank}, pid {child.pid}); "
-            f"last lines of {child.log_path}:\n{_indent(child.tail())}\n",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"\n[meshrl] service {child.name} failed (exit code {code}, rank {rank}, pid {child.pid}); "
+              f"last lines of {child.log_path}:\n{_indent(child.tail())}\n", file=sys.stderr, flush=True)  # fmt: skip
         if self.peers.size > 1:  # tell the services of the other launchers (this one stops its own)
             try:
                 import torch
