@@ -1,6 +1,12 @@
-"""Chat data for supervised fine-tuning (`meshrl sft`): rows of OpenAI-style `messages` (and optional
-`tools`) read strictly, rendered with the model's chat template, with a loss mask on the assistant's
-tokens.
+"""Data for supervised fine-tuning (`meshrl sft`), read strictly, with a loss mask on what the model
+should learn to write. A row is one of:
+
+- a conversation: OpenAI-style `messages` (and optional `tools`), rendered with the model's chat
+  template; the mask covers the assistant messages' tokens;
+- a prompt and a completion, both text: the prompt's tokens as rollout encodes a text prompt without
+  the chat template (the tokenizer's own special tokens included), then the completion's and EOS; the
+  mask covers the completion and EOS (a base model's warm start, `meshrl.tasks.arith`);
+- a prompt and a completion, both lists of messages: the conversation `prompt + completion`.
 
 The loss mask is RL's notion (meshrl/envs/sessions.py): one 0/1 per token, 1 on the tokens the model
 itself should produce. Few chat templates mark the assistant's text (`{% generation %}`), so it is found
@@ -44,6 +50,13 @@ class Conversation:
 
 
 @dataclass(frozen=True)
+class Completion:
+    where: str
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True)
 class Example:
     ids: list[int]
     mask: list[int]
@@ -51,15 +64,15 @@ class Example:
     truncated: bool
 
 
-def read_conversations(path: str) -> list[Conversation]:
-    """Every row of `path`: a .jsonl file (read line by line, numbered by line), or anything
+def read_rows(path: str) -> list[Conversation | Completion]:
+    """Every row of `path` (`row`): a .jsonl file (read line by line, numbered by line), or anything
     `datasets` opens (a .json / .parquet / .csv file, a directory `save_to_disk` wrote or of data files;
     numbered by row from 1)."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{path}: no such file or directory")
     if p.is_file() and p.suffix == ".jsonl":
-        return [conversation(row, where) for row, where in _jsonl(p)]
+        return [row_of(r, where) for r, where in _jsonl(p)]
     from datasets import load_dataset, load_from_disk
 
     ds: Any
@@ -71,7 +84,7 @@ def read_conversations(path: str) -> list[Conversation]:
         ds = ds["train"] if hasattr(ds, "keys") else ds
     else:
         ds = load_dataset(str(p), split="train")
-    return [conversation(dict(row), f"{path}: row {n}") for n, row in enumerate(ds, 1)]
+    return [row_of(dict(r), f"{path}: row {n}") for n, r in enumerate(ds, 1)]
 
 
 def _jsonl(path: Path) -> list[tuple[Any, str]]:
@@ -85,6 +98,24 @@ def _jsonl(path: Path) -> list[tuple[Any, str]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {n}: not JSON ({e.msg} at column {e.colno})") from None
     return rows
+
+
+def row_of(row: Any, where: str) -> Conversation | Completion:
+    """`row` checked: a conversation (`conversation`), or a "prompt" and a "completion" (text, or lists
+    of messages: then the conversation of both)."""
+    if not isinstance(row, dict) or "messages" in row or not {"prompt", "completion"} <= row.keys():
+        return conversation(row, where)
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion:
+            raise DataError(f"{where}: an empty 'completion': nothing to learn from")
+        return Completion(where, prompt, completion)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return conversation({**row, "messages": [*prompt, *completion]}, where)
+    raise DataError(
+        f"{where}: 'prompt' and 'completion' must both be text or both lists of messages, not a "
+        f"{type(prompt).__name__} and a {type(completion).__name__}"
+    )
 
 
 def conversation(row: Any, where: str) -> Conversation:
@@ -172,9 +203,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def encode(tokenizer: Any, chat: Conversation, max_len: int) -> Example:
-    """The conversation's ids and mask, cut to `max_len` tokens."""
-    ids, mask = chat_tokens(tokenizer, chat)
+def completion_tokens(tokenizer: Any, row: Completion) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of a prompt and completion: the prompt as rollout encodes text, the completion
+    and EOS after it, 1 on those."""
+    prompt = [int(i) for i in tokenizer(row.prompt)["input_ids"]]
+    answer = [int(i) for i in tokenizer(row.completion, add_special_tokens=False)["input_ids"]]
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"{row.where}: the tokenizer has no EOS token to end the completion with")
+    answer.append(int(tokenizer.eos_token_id))
+    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+
+def encode(tokenizer: Any, row: Conversation | Completion, max_len: int) -> Example:
+    """The row's ids and mask, cut to `max_len` tokens."""
+    if isinstance(row, Completion):
+        ids, mask = completion_tokens(tokenizer, row)
+    else:
+        ids, mask = chat_tokens(tokenizer, row)
     return Example(ids[:max_len], mask[:max_len], len(ids) > max_len)
 
 

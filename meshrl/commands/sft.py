@@ -2,9 +2,9 @@
 
     meshrl sft --model Qwen/Qwen2.5-0.5B-Instruct --data chats.jsonl --out sft-model --epochs 2
 
-Rows hold OpenAI-style `messages` (and optional `tools`, handed to the chat template); the loss is the
-mean negative log-likelihood of the assistant messages' tokens alone (`chat_data.py`: how the mask is
-found). Training is the RL trainer's engine with a supervised objective (meshrl/engines/supervised.py):
+Rows hold OpenAI-style `messages` (and optional `tools`, handed to the chat template), or a `prompt` and
+a `completion`; the loss is the mean negative log-likelihood of the assistant messages' (the
+completion's) tokens alone (`chat_data.py`: the row formats and how the mask is found). Training is the RL trainer's engine with a supervised objective (meshrl/engines/supervised.py):
 the same micro-batching (rows, or samples packed by tokens), precision, activation checkpointing, LoRA,
 AdamW with warm-up and cosine decay, gradient clipping and skipping of non-finite steps. A held-out
 share of the rows (`--eval-fraction`) is scored before training, every `--eval-every` steps and at the
@@ -31,14 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from meshrl.commands.chat_data import DataError, Example, encode, read_conversations, to_batch
+from meshrl.commands.chat_data import DataError, Example, encode, read_rows, to_batch
 from meshrl.planning.config import RecipeError
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="meshrl sft", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="model to start from (an HF folder or hub id)")
-    ap.add_argument("--data", required=True, help="chat rows: a .jsonl file, or anything datasets opens")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="rows (messages, or prompt and completion): a .jsonl file, or anything datasets opens",
+    )
     ap.add_argument("--out", required=True, help="folder to write the trained model to")
     ap.add_argument("--epochs", type=float, default=1.0, help="passes over the training rows")
     ap.add_argument("--steps", type=int, help="optimizer steps (instead of --epochs)")
@@ -176,7 +180,7 @@ def load_data(args: argparse.Namespace, tokenizer: Any, model_config: Any) -> Da
     """The rows encoded and cut at --max-len (or the model's positions, when fewer), split."""
     positions = getattr(model_config, "max_position_embeddings", None)
     max_len = min(args.max_len, positions) if positions else args.max_len
-    examples = [encode(tokenizer, chat, max_len) for chat in read_conversations(args.data)]
+    examples = [encode(tokenizer, row, max_len) for row in read_rows(args.data)]
     kept = [e for e in examples if sum(e.mask[1:]) > 0]
     if not kept:
         raise DataError(f"{args.data}: no row keeps an assistant token within {max_len} tokens")

@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.cli import main as cli
 from meshrl.commands.chat_data import DataError, chat_tokens, conversation, encode, to_batch
-from meshrl.tasks.arith.sft import generate
 
 REPO = Path(__file__).resolve().parents[2]
 SUMS = [(a, b) for a in range(10) for b in range(10)]
@@ -53,8 +52,20 @@ def accuracy(model_dir: Path) -> float:
         )
         for a, b in SUMS
     ]
-    answers = generate(model, tokenizer, prompts, max_new_tokens=3)
+    answers = greedy(model, tokenizer, prompts, max_new_tokens=3)
     return sum(answer == str(a + b) for answer, (a, b) in zip(answers, SUMS, strict=True)) / len(SUMS)
+
+
+def greedy(model: object, tokenizer: object, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions of `prompts` (left-padded together), cut at EOS."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)  # type: ignore[operator]
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,  # type: ignore[attr-defined]
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # type: ignore[attr-defined]  # fmt: skip
+    new = out[:, batch["input_ids"].shape[1] :]
+    return [
+        tokenizer.decode(row).split(tokenizer.eos_token)[0].replace(tokenizer.pad_token, "") for row in new
+    ]  # type: ignore[attr-defined]
 
 
 # --- the loss mask -------------------------------------------------------------------------------------
@@ -153,6 +164,8 @@ def run_cli(argv: list[str]) -> int:
         ('{"messages": [{"role": "user", "content": "1+1="}', "line 3: not JSON"),
         ('{"messages": [{"role": "user", "content": "1+1="}]}', "line 3: no assistant message"),
         ('{"prompt": "1+1="}', "line 3: no 'messages' list"),
+        ('{"prompt": "1+1=", "completion": 2}', "line 3: 'prompt' and 'completion' must both be text or both"),
+        ('{"prompt": "1+1=", "completion": ""}', "line 3: an empty 'completion'"),
         ('{"messages": [{"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]}',
          "line 3: the chat template cannot render it"),
     ],
