@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_cpu import REPO, build_models
+from e2e_cpu import REPO, SFT_STEPS, build_models
 
 from meshrl.dataplane.ledger import account
 
@@ -81,7 +81,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="meshrl-chaos-") as tmp:
         root = Path(tmp)
-        model, _ = build_models(root / "models", 60)
+        model, _ = build_models(root / "models", SFT_STEPS)
         run_dir = root / "run"
         restart = [f"{g}.restart.{k}" for g in VICTIMS for k in ("mode=on-failure", f"max_restarts={args.kills}",
                                                                   "backoff_s=0.2")]  # fmt: skip

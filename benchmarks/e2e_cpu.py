@@ -58,6 +58,8 @@ from pathlib import Path
 
 import psutil
 
+from meshrl.commands.demo import SFT_STEPS
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -66,14 +68,14 @@ def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Pa
     import torch
 
     from meshrl.models.tiny import build_tiny_model
-    from meshrl.tasks.arith.sft import SFTConfig, train
+    from meshrl.commands.demo import warm_start
 
     torch.set_num_threads(2)
     base = build_tiny_model(root / "base")
-    train(SFTConfig(model=str(base), out=str(root / "sft"), steps=sft_steps))
+    warm_start(base, root / "sft", sft_steps, threads=2)
     if not teacher_steps:
         return root / "sft", None
-    train(SFTConfig(model=str(base), out=str(root / "teacher"), steps=teacher_steps))
+    warm_start(base, root / "teacher", teacher_steps, threads=2)
     return root / "sft", root / "teacher"
 
 
@@ -247,8 +249,8 @@ def main() -> None:
     ap.add_argument(
         "--engine", default="hf", help="inference engine: hf or vllm (then hf runs too, as baseline)"
     )
-    ap.add_argument("--sft-steps", type=int, default=60)
-    ap.add_argument("--teacher-sft-steps", type=int, default=200, help="for recipes with a teacher")
+    ap.add_argument("--sft-steps", type=int, default=SFT_STEPS)
+    ap.add_argument("--teacher-sft-steps", type=int, default=150, help="for recipes with a teacher")
     ap.add_argument("--set", action="append", default=[], help="extra key=value overrides")
     ap.add_argument("--sinks", action="store_true", help="every experiment tracker on; baseline: none")
     ap.add_argument("--eval-cost", action="store_true", help="eval_every=5 vs no evaluation, same invocation")

@@ -12,8 +12,7 @@ commands:
   launch RECIPE [key=value ...]              one launcher of a multi-host run (under torchrun -m meshrl)
   models NAME [--out DIR]                    a real pretrained model as an HF folder (smollm2-135m)
   eval RECIPE [--model PATH] [key=value ...]  held-out accuracy, pass@k, reward per function (JSON)
-  sft --model PATH --data CHATS --out PATH   supervised fine-tuning on chat data (JSON at the end);
-                                             without --data: the arithmetic task's warm start
+  sft --model PATH --data ROWS --out PATH    supervised fine-tuning on chat or prompt/completion rows
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   dashboard [RUN_DIR] [--host H] [--port P]  a run's charts, services and samples in the browser
   queue serve [...]                          run the data plane's controller / storage server
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         launch(rest)
         return
     if cmd == "demo":
-        from meshrl.tasks.arith.demo import main as demo
+        from meshrl.commands.demo import main as demo
 
         raise SystemExit(demo(rest))
     if cmd == "models":
@@ -45,11 +44,7 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(evaluate(rest))
     if cmd == "sft":
-        if any(a == "--data" or a.startswith("--data=") for a in rest):
-            from meshrl.commands.sft import main as sft_chat
-
-            raise SystemExit(sft_chat(rest))
-        from meshrl.tasks.arith.sft import main as sft
+        from meshrl.commands.sft import main as sft
 
         raise SystemExit(sft(rest))
     if cmd == "status":

@@ -89,17 +89,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def arith_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model after the demo's supervised warm start on arithmetic (imperfect on purpose)."""
-    import torch
-
-    from meshrl.tasks.arith.sft import SFTConfig, train
+    from meshrl.commands.demo import warm_start
 
     out = tmp_path_factory.mktemp("models") / "arith-sft"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(SFTConfig(model=str(tiny_model), out=str(out), steps=60))
-    finally:
-        torch.set_num_threads(threads)
+    warm_start(tiny_model, out)
     return out
 
 
@@ -116,30 +109,23 @@ def grpo_100_steps(arith_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def _sft(base: Path, out: Path, steps: int) -> Path:
-    import torch
+    from meshrl.commands.demo import warm_start
 
-    from meshrl.tasks.arith.sft import SFTConfig, train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(SFTConfig(model=str(base), out=str(out), steps=steps))
-    finally:
-        torch.set_num_threads(threads)
+    warm_start(base, out, steps)
     return out
 
 
 @pytest.fixture(scope="session")
 def teacher_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A strong arithmetic model (a longer supervised run: ~95% greedy accuracy), as recipes/opd_arith.py
+    """A strong arithmetic model (a longer supervised run: ~100% greedy accuracy), as recipes/opd_arith.py
     documents it."""
-    return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-teacher", 200)
+    return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-teacher", 150)
 
 
 @pytest.fixture(scope="session")
 def weak_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A weak student: half the demo's warm start (~10% greedy accuracy)."""
-    return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-weak", 30)
+    return _sft(tiny_model, tmp_path_factory.mktemp("models") / "arith-weak", 28)
 
 
 PORT_RANGE = (10000, 32000)  # below Linux's ephemeral range (32768-60999), where any connection's

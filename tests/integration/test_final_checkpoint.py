@@ -63,7 +63,7 @@ def test_a_runs_final_checkpoint_is_the_model_it_started_from(tmp_path, chat_mod
 
 
 def test_sfts_output_is_the_model_it_started_from(tmp_path, chat_model):
-    from meshrl.tasks.arith.sft import SFTConfig, train
+    from meshrl.commands.demo import warm_start
 
-    train(SFTConfig(model=str(chat_model), out=str(tmp_path / "sft"), steps=2, batch_size=8, eval_every=2))
+    warm_start(chat_model, tmp_path / "sft", 2)
     assert_same_kind(tmp_path / "sft", chat_model)

@@ -1,23 +1,26 @@
-"""Supervised warm start on arithmetic, for real: a short run from a fresh tiny model must learn.
+"""The arithmetic demo's warm start, for real: `meshrl sft` on prompt/completion rows of the task's train
+split (meshrl/commands/demo.py `warm_start`), from a fresh tiny model.
 
-Measured at these settings (100 steps, defaults otherwise) over model/batch seeds 0-4: greedy train
-accuracy 0% before and 74-96% after; loss from 3.9 to 0.26-0.47. The assertions leave a wide margin
-for seed and platform noise. The run takes about 6 s on two CPU cores.
+Measured at the demo's settings (52 steps of 40, lr 3e-3) over batch-order seeds 0-4: greedy accuracy
+on the 80 train problems 0% -> 50-69%, on the 20 held-out ones 0% -> 15-40%; it takes about 2 s. The
+warm start is imperfect on purpose (RL needs room to improve), so the test bounds it on both sides,
+with a wide margin.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from meshrl.commands.chat_data import completion_tokens, encode, read_rows, to_batch
 from meshrl.models.tiny import build_tiny_model
-from meshrl.tasks.arith import split
-from meshrl.tasks.arith.sft import SFTConfig, collate, encode_example, evaluate, main, train
-
-STEPS = 100
+from meshrl.tasks import arith
+from meshrl.commands.demo import SFT_STEPS, warm_start
+from tests.integration.test_sft_chat import greedy, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -25,91 +28,46 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("sft") / "tiny")
 
 
-@pytest.fixture(scope="module")
-def trained(fresh: Path) -> tuple[SFTConfig, dict, list[dict]]:
-    cfg = SFTConfig(model=str(fresh), out=str(fresh.parent / "sft"), steps=STEPS, eval_every=50)
-    logged: list[dict] = []
-    return cfg, train(cfg, log=logged.append), logged
+def accuracy(model_dir: Path, rows: list[dict]) -> float:
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    answers = greedy(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=4)
+    return sum(arith.correct(a, r) for a, r in zip(answers, rows, strict=True)) / len(rows)
+
+
+def test_the_loss_covers_the_completion_and_eos(fresh: Path, tmp_path: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(fresh)
+    rows = [{"prompt": "9+8=", "answer": "17"}, {"prompt": "1+2=", "answer": "3"}]
+    data = tmp_path / "demos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in arith.demonstrations(rows)))
+    read = read_rows(str(data))
+    ids, mask = completion_tokens(tokenizer, read[0])  # type: ignore[arg-type]
+    assert tokenizer.decode(ids) == "9+8=17<eos>" and mask == [0, 0, 0, 0, 1, 1, 1]
+    batch = to_batch([encode(tokenizer, r, 128) for r in read], tokenizer.pad_token_id)
+    assert [tokenizer.decode(batch.input_ids[i, 1:][batch.mask[i]]) for i in range(2)] == [
+        "17<eos>",
+        "3<eos>",
+    ]
 
 
 @pytest.mark.slow
-def test_short_sft_learns_the_task(trained: tuple[SFTConfig, dict, list[dict]]) -> None:
-    cfg, result, logged = trained
-    assert result["train_greedy_before"] <= 0.1
-    assert result["eval_greedy_before"] <= 0.1
-    assert result["train_greedy_after"] >= 0.5
-    assert result["train_greedy_after"] - result["train_greedy_before"] >= 0.4
-    assert result["loss_last"] < result["loss_first"] / 4
-    assert [row["step"] for row in logged] == [50, 100]
-    assert logged[-1]["train_greedy"] == result["train_greedy_after"]
-    assert logged[0]["lr"] > logged[-1]["lr"] and logged[-1]["lr"] < cfg.lr / 100  # cosine decay
-
-
-@pytest.mark.slow
-def test_saved_checkpoint_reloads(trained: tuple[SFTConfig, dict, list[dict]]) -> None:
-    cfg, result, _ = trained
-    model = AutoModelForCausalLM.from_pretrained(cfg.out)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.out)
-    train_rows, _ = split()
-    assert evaluate(model, tokenizer, train_rows) == pytest.approx(result["train_greedy_after"])
+def test_the_demo_warm_start_learns_part_of_the_task(fresh: Path, tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    result = warm_start(fresh, tmp_path / "arith-sft")
+    assert torch.get_num_threads() == threads  # the caller's threads are left alone
+    assert result["steps"] == SFT_STEPS and result["sequences"] == 80 and result["nan_skipped"] == 0
+    assert result["train_loss_last"] < result["train_loss_first"] / 4, result
+    assert (tmp_path / "arith-sft.jsonl").read_text().count("\n") == 80
+    train, held_out = arith.split()
+    assert accuracy(fresh, train) <= 0.1
+    after = accuracy(tmp_path / "arith-sft", train)
+    assert 0.3 <= after <= 0.9, after  # measured 0.50-0.69: right in form, often wrong
+    assert accuracy(tmp_path / "arith-sft", held_out) > 0.0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "arith-sft")
     text = "<|user|>0123456789 abcdefghijklmnopqrstuvwxyz +-*/=()?.,:<|assistant|>"
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
 
 
-def test_sampled_evaluation_is_seeded(fresh: Path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(fresh)
-    tokenizer = AutoTokenizer.from_pretrained(fresh)
-    rows = split()[1][:5]
-    model.train()
-    first = evaluate(model, tokenizer, rows, greedy=False, samples=3, seed=5, chat_template=True)
-    assert evaluate(model, tokenizer, rows, greedy=False, samples=3, seed=5, chat_template=True) == first
-    assert model.training  # the mode it had before is restored
-    assert 0.0 <= first <= 1.0
-
-
-def test_loss_covers_only_the_answer_and_eos(fresh: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(fresh)
-    row = {"prompt": "9+8=", "answer": "17", "a": 9, "b": 8}
-    short = {"prompt": "1+2=", "answer": "3", "a": 1, "b": 2}
-    examples = [encode_example(tokenizer, r, chat_template=False) for r in (row, short)]
-    batch = collate(examples, tokenizer.pad_token_id)
-    assert tokenizer.decode(batch["input_ids"][0]) == "9+8=17<eos>"
-    assert tokenizer.decode(batch["input_ids"][1]) == "1+2=3<eos><pad>"
-    assert batch["attention_mask"].tolist() == [[1] * 7, [1] * 6 + [0]]
-    targets = [[t for t in labels if t != -100] for labels in batch["labels"].tolist()]
-    assert [tokenizer.decode(t) for t in targets] == ["17<eos>", "3<eos>"]
-    assert batch["labels"][:, :4].eq(-100).all()
-    chat_prompt, _ = encode_example(tokenizer, row, chat_template=True)
-    assert tokenizer.decode(chat_prompt) == "<|user|>9+8=<|assistant|>"
-
-
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("steps", 0), ("batch_size", 0), ("lr", 0.0), ("warmup", -1), ("weight_decay", -0.1), ("eval_every", 0)],
-)
-def test_config_validation_names_the_field(fresh: Path, field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=f"SFTConfig.{field}:"):
-        SFTConfig(model=str(fresh), out="x", **{field: value})  # type: ignore[arg-type]
-
-
-def test_config_rejects_missing_model(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="SFTConfig.model: no such path"):
-        SFTConfig(model=str(tmp_path / "nope"), out="x")
-
-
-def test_command_line(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "cli"
-    argv = ["--model", str(fresh), "--out", str(out), "--steps", "4", "--batch-size", "8", "--lr", "1e-3"]
-    assert main([*argv, "--seed", "1", "--eval-every", "2"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[:2] for line in lines[:2]] == [["step", "2"], ["step", "4"]]
-    assert lines[-2].startswith("greedy accuracy")
-    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
-    assert main(["--model", str(tmp_path / "missing"), "--out", str(out)]) == 2
-    assert "SFTConfig.model" in capsys.readouterr().err
-
-
-def test_threads_left_alone(fresh: Path, tmp_path: Path) -> None:
-    before = torch.get_num_threads()
-    train(SFTConfig(model=str(fresh), out=str(tmp_path / "o"), steps=1, batch_size=2))
-    assert torch.get_num_threads() == before
+def test_sft_needs_data(fresh: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["--model", str(fresh), "--out", str(tmp_path / "o")]) == 2
+    assert "--data" in capsys.readouterr().err

@@ -47,3 +47,8 @@ def correct(completion: str, row: dict) -> bool:
 def reward(prompt: str, completion: str, row: dict) -> float:
     """1.0 for a `correct` completion, else 0.0 (`prompt` is accepted for a uniform reward signature)."""
     return 1.0 if correct(completion, row) else 0.0
+
+
+def demonstrations(rows: list[dict]) -> list[dict]:
+    """Rows for `meshrl sft`: each problem's prompt, and its answer as the completion (EOS follows)."""
+    return [{"prompt": row["prompt"], "completion": row["answer"]} for row in rows]

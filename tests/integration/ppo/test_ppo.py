@@ -16,6 +16,13 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def assert_drifts(kl: list[float]) -> None:
+    """The policy drifts from the reference as it learns: the KL of the last 5 steps is well above that
+    of the first 3. (A step's KL is the mean over its mini-batches, so step 0's is not 0: Adam's first
+    updates are its largest; that it starts from the reference's weights is checked above.)"""
+    assert mean(kl[-5:]) > 3 * mean(kl[:3]), kl
+
+
 def test_ppo_is_reproducible_and_every_service_adds_its_column(tmp_path, arith_model):
     """Two runs with one seed agree to the last bit: the critic's values for step n's samples come
     from the critic trained on steps 0..n-1 in both, whatever the processes' timing."""
@@ -43,8 +50,7 @@ def test_ppo_learns_a_reward_the_critic_can_read_and_drifts_from_the_reference(t
     actor, critic = rows(tmp_path / "run" / "metrics.jsonl"), rows(tmp_path / "run" / "critic.jsonl")
     first, last = mean([m["reward_mean"] for m in actor[:5]]), mean([m["reward_mean"] for m in actor[-5:]])
     assert last >= first + 0.2, (first, last)
-    kl = [m["kl_ref"] for m in actor]
-    assert kl[0] < 0.05 and mean(kl[-5:]) > 2 * max(kl[0], 0.005), kl
+    assert_drifts([m["kl_ref"] for m in actor])  # measured: first 3 steps 0.08, last 5 1.15
     loss = [c["value_loss"] for c in critic]
     assert mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
     # the critic follows the value of the improving policy (explained variance is no measure here: the
@@ -135,8 +141,7 @@ def test_actor_critic_learns_a_reward_its_value_head_can_read(tmp_path, arith_mo
     assert last >= first + 0.2, (first, last)
     loss = [m["value_loss"] for m in actor]
     assert mean(loss[-5:]) < 0.5 * mean(loss[:5]), loss
-    kl = [m["kl_ref"] for m in actor]
-    assert kl[0] < 0.05 and mean(kl[-5:]) > 2 * max(kl[0], 0.005), kl
+    assert_drifts([m["kl_ref"] for m in actor])  # measured: first 3 steps 0.19, last 5 1.70
 
 
 MEMORY = ("trainer.memory.precision=bf16-mixed", "trainer.memory.activation_checkpointing=true",
