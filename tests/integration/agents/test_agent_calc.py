@@ -10,6 +10,7 @@ import pytest
 
 from meshrl.dataplane.ledger import account
 from meshrl.schema import TOOL_ERROR_KINDS
+from meshrl.tasks.agent_calc import TOOL_FRACTION, WARM_ROWS
 from tests.integration.fault.test_kill import kill_repeatedly, start
 from tests.integration.grpo.test_grpo import REPO, rows, run
 
@@ -19,17 +20,26 @@ BATCH = 16 * 8  # prompts_per_step x group_size
 
 
 def warm(base: Path, out: Path, steps: int, tool_fraction: float) -> Path:
+    """`meshrl sft` of `base` on one pass of demonstrations (32 a step), as the README's warm start."""
+    import json
+
     import torch
 
-    from meshrl.tasks.agent_calc.warm import train
+    from meshrl.commands.sft import parser, train
+    from meshrl.tasks.agent_calc import demonstrations
 
+    data = out.parent / f"{out.name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in demonstrations(steps * 32, tool_fraction)))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        train(str(base), str(out), steps=steps, tool_fraction=tool_fraction)
+        train(parser().parse_args([*SFT_ARGS, "--model", str(base), "--data", str(data), "--out", str(out),
+                                   "--steps", str(steps), "--threads", "1"]))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+SFT_ARGS = ["--batch", "32", "--micro-batch", "32", "--lr", "3e-3", "--warmup", "20", "--schedule", "linear"]
 
 
 @pytest.fixture(scope="session")
@@ -41,11 +51,11 @@ def format_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="session")
 def calc_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The task's warm start: the model copies the tool's result, but uses the tool on only part of
-    the problems (see meshrl/tasks/agent_calc/warm.py)."""
+    the problems (see meshrl/tasks/agent_calc/__init__.py)."""
     return warm(tiny_model, tmp_path_factory.mktemp("models") / "agent-calc-sft", WARM_STEPS, TOOL_FRACTION)
 
 
-WARM_STEPS, TOOL_FRACTION = 300, 0.7
+WARM_STEPS = WARM_ROWS // 32
 
 
 def learning(run_dir: Path) -> tuple[float, float]:
