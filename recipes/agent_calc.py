@@ -1,7 +1,9 @@
 """A tool-using agent: the tiny model learns three-term sums with a calculator tool, by GRPO over
 multi-turn trajectories, synchronous (lock-step).
 
-    python -m meshrl.tasks.agent_calc.warm --model runs/arith-base --out runs/agent-calc-sft
+    python -m meshrl.tasks.agent_calc --out runs/agent_calc_demos.jsonl     # make run builds runs/arith-base
+    meshrl sft --model runs/arith-base --data runs/agent_calc_demos.jsonl --out runs/agent-calc-sft \
+      --steps 300 --batch 32 --micro-batch 32 --lr 3e-3 --warmup 20 --schedule linear
     meshrl run recipes/agent_calc.py *.model=runs/agent-calc-sft
 
 Four services: rollout feeds trajectory starts and scores whole trajectories (the environment's
@@ -9,10 +11,11 @@ reward, GRPO over each group of 8); the environment service (meshrl/tasks/agent_
 parses `calc(...)` calls, runs the tool and writes each next turn; inference generates turns; the
 trainer trains on the model's tokens only (the loss mask). See README, "Writing an environment".
 
-Measured on 2 CPU cores (warm start of 300 steps with 70% tool demonstrations): the reward climbs from
-0.65 at step 0 to ~0.9, first 10 steps 0.73 and last 10 0.89, in about a minute; at lr 3e-4 it gets
-there in 4 steps. The ceiling (~0.9) is how often the warm model copies the tool's result right. What RL raises is tool use: the warm model copies the tool's result correctly, but
-answers in its head (wrongly) on part of the problems.
+Measured on 2 CPU cores with the commands above (a 28 s warm start, a 58 s run): the reward climbs
+from 0.56 at step 0, first 10 steps 0.66 and last 10 0.86; tool calls per trajectory 0.61 -> 0.96.
+`meshrl eval recipes/agent_calc.py` on 200 held-out problems: greedy correct 0.985 -> 1.00, sampled
+0.68 -> 0.87. What RL raises is tool use: the warm model copies the tool's result correctly, but answers
+in its head (wrongly) on part of the problems.
 """
 
 from meshrl.engines.settings import OptimConfig
@@ -22,7 +25,7 @@ from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
 
-MODEL = "runs/agent-calc-sft"  # python -m meshrl.tasks.agent_calc.warm; override with *.model=PATH
+MODEL = "runs/agent-calc-sft"  # the warm start above; override with *.model=PATH
 
 
 def recipe() -> Recipe:
