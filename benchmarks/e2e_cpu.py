@@ -67,8 +67,8 @@ def build_models(root: Path, sft_steps: int, teacher_steps: int = 0) -> tuple[Pa
     """(the student / policy, the teacher if `teacher_steps`)."""
     import torch
 
-    from meshrl.models.tiny import build_tiny_model
     from meshrl.commands.demo import warm_start
+    from meshrl.models.tiny import build_tiny_model
 
     torch.set_num_threads(2)
     base = build_tiny_model(root / "base")

@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.commands.chat_data import completion_tokens, encode, read_rows, to_batch
+from meshrl.commands.demo import SFT_STEPS, warm_start
 from meshrl.models.tiny import build_tiny_model
 from meshrl.tasks import arith
-from meshrl.commands.demo import SFT_STEPS, warm_start
 from tests.integration.test_sft_chat import greedy, run_cli
 
 
