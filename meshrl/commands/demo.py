@@ -29,11 +29,10 @@ def warm_start(base: Path, out: Path, steps: int = SFT_STEPS, *, seed: int = 0, 
     import torch
 
     from meshrl.commands.sft import parser, train
-    from meshrl.tasks import arith
+    from meshrl.tasks import arith, write_jsonl
 
     data = out.parent / f"{out.name}.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    data.write_text("".join(json.dumps(r) + "\n" for r in arith.demonstrations(arith.split()[0])))
+    write_jsonl(data, arith.demonstrations(arith.split()[0]))
     before = torch.get_num_threads()
     try:
         argv = ["--model", str(base), "--data", str(data), "--out", str(out), "--steps", str(steps),

@@ -4,8 +4,9 @@
 
 Rows hold OpenAI-style `messages` (and optional `tools`, handed to the chat template), or a `prompt` and
 a `completion`; the loss is the mean negative log-likelihood of the assistant messages' (the
-completion's) tokens alone (`chat_data.py`: the row formats and how the mask is found). Training is the RL trainer's engine with a supervised objective (meshrl/engines/supervised.py):
-the same micro-batching (rows, or samples packed by tokens), precision, activation checkpointing, LoRA,
+completion's) tokens alone (`chat_data.py`: the row formats and how the mask is found). Training is
+the RL trainer's engine with a supervised objective (meshrl/engines/supervised.py): the same
+micro-batching (rows, or samples packed by tokens), precision, activation checkpointing, LoRA,
 AdamW with warm-up and cosine decay, gradient clipping and skipping of non-finite steps. A held-out
 share of the rows (`--eval-fraction`) is scored before training, every `--eval-every` steps and at the
 end. The result is a Hugging Face folder as a run's final model is (tokenizer and chat template

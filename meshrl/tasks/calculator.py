@@ -18,16 +18,15 @@ with "Answer: N"). `python -m meshrl.tasks.calculator --out FILE` writes demonst
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import operator
 import random
 import re
-from pathlib import Path
 from typing import Any
 
 from meshrl.envs import Environment, Message, State, Turn, tool
+from meshrl.tasks import demonstrations_main
 
 ARITHMETIC = {
     "size": 4000, "seed": 0, "min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3,
@@ -128,20 +127,5 @@ def demonstrations(n: int, tool_fraction: float, seed: int = 2) -> list[dict[str
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description="Write calculator demonstrations (JSONL chat rows) for meshrl sft."
-    )
-    ap.add_argument("--out", required=True)
-    ap.add_argument("-n", type=int, default=600)
-    ap.add_argument("--tool-fraction", type=float, default=0.5)
-    ap.add_argument("--seed", type=int, default=2)
-    args = ap.parse_args()
-    rows = demonstrations(args.n, args.tool_fraction, args.seed)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{len(rows)} conversations in {args.out}")
-
-
 if __name__ == "__main__":
-    main()
+    demonstrations_main("python -m meshrl.tasks.calculator", demonstrations, 600, 0.5)

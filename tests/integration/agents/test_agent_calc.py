@@ -21,15 +21,14 @@ BATCH = 16 * 8  # prompts_per_step x group_size
 
 def warm(base: Path, out: Path, steps: int, tool_fraction: float) -> Path:
     """`meshrl sft` of `base` on one pass of demonstrations (32 a step), as the README's warm start."""
-    import json
-
     import torch
 
     from meshrl.commands.sft import parser, train
+    from meshrl.tasks import write_jsonl
     from meshrl.tasks.agent_calc import demonstrations
 
     data = out.parent / f"{out.name}.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in demonstrations(steps * 32, tool_fraction)))
+    write_jsonl(data, demonstrations(steps * 32, tool_fraction, 2))
     threads = torch.get_num_threads()
     try:
         train(parser().parse_args([*SFT_ARGS, "--model", str(base), "--data", str(data), "--out", str(out),
