@@ -44,8 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 ENV_RECIPE, PROGRAM_RECIPE = REPO / "recipes" / "agent_sim.py", REPO / "recipes" / "agent_program_sim.py"
 REPLICAS = 4
 
-ENV_LINE = re.compile(r"(\d+) trajectories, (\d+) turns, ([\d.]+) s from the first start to the last finish")
-AGENTS_LINE = re.compile(r"agents: (\{.*?\}); ([\d.]+) s from the first start to the last finish")
+AGENTS_LINE = re.compile(r"agents: (\{.*?\}); \d+ trajectories, \d+ turns, ([\d.]+) s from the first start to the last finish")
 GEN_LINE = re.compile(r"([\d.]+) s busy over ([\d.]+) s from the first batch")
 
 
@@ -75,11 +74,11 @@ def main() -> None:
         work = Path(tmp)
         model = build_tiny_model(work / "model")  # only its tokenizer and chat template are used
         env_logs = run(ENV_RECIPE, model, work, "env", args.steps)
-        (env,) = [m for p in env_logs.glob("env-*.log") if (m := ENV_LINE.search(p.read_text()))]
-        env_n, _, env_span = (float(x) for x in env.groups())
+        (env,) = [m for p in env_logs.glob("agents-*.log") if (m := AGENTS_LINE.search(p.read_text()))]
+        env_n, env_span = json.loads(env.group(1).replace("'", '"'))["finished"], float(env.group(2))
         record = work / "calls.jsonl"
         logs = run(PROGRAM_RECIPE, model, work, "endpoint", args.steps,
-                   f'agents.program_args={{"record": "{record}"}}')  # fmt: skip
+                   f'agents.args={{"record": "{record}"}}')  # fmt: skip
         (agents,) = [m for p in logs.glob("agents-*.log") if (m := AGENTS_LINE.search(p.read_text()))]
         counts, span = json.loads(agents.group(1).replace("'", '"')), float(agents.group(2))
         calls = [c for line in record.read_text().splitlines() for c in json.loads(line)]
@@ -87,7 +86,7 @@ def main() -> None:
     added = sorted(1000 * (total - waited) for total, waited in calls)
     n = counts["finished"]
     result = {
-        "requests_per_s": round(counts["calls"] / span, 1),
+        "requests_per_s": round(counts["turns"] / span, 1),
         "added_latency_ms_p50": round(statistics.median(added), 2),
         "added_latency_ms_p99": round(added[int(0.99 * (len(added) - 1))], 2),
         "generation_busy": round(generation_busy, 3),

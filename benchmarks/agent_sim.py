@@ -64,7 +64,7 @@ def mesh(model: Path, work: Path, steps: int) -> dict[str, float]:
     if proc.returncode != 0:
         raise SystemExit(f"the mesh run failed:\n{proc.stderr[-4000:]}")
     logs = run_dir / "logs"
-    (env,) = [m for p in logs.glob("env-*.log") if (m := ENV_LINE.search(p.read_text()))]
+    (env,) = [m for p in logs.glob("agents-*.log") if (m := ENV_LINE.search(p.read_text()))]
     n, turns, span, start, end, life, gen, in_env = (float(x) for x in env.groups())
     batches = [json.loads(p.read_text()) for p in sorted(logs.glob("inference-*.batches.json"))]
     if len(batches) != REPLICAS:

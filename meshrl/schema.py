@@ -10,16 +10,13 @@ these are the names those declarations use:
               inference    RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH
               reference    REF_LOGPROBS          reward model  RM_SCORE
               critic       VALUES                teacher       teacher_columns(prefix)
-              env          a whole trajectory at once (agents): PROMPT, RESPONSE, LOGPROBS, LOSS_MASK,
-                           TOKEN_VERSIONS, VERSION, GEN_S, GEN_BATCH, ENV_REWARD
-              agents       the same for an agent program's session, and SEGMENTS
+              agents       a whole trajectory at once: TRAJECTORY_WRITES
     tasks     agents: rollout's trajectory starts (PROMPT, and the dataset row as TASK metadata)
-    turns     agents: one row per turn; env writes PROMPT (the trajectory's ids so far) and its history
-              (LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS after the first context), inference GENERATED
-    calls     agents' model calls through the endpoint (black-box agents): one row per call; the
-              endpoint writes PROMPT (the rendered request) with SAMPLING, SESSION and TO metadata,
-              inference GENERATED, the endpoint DELIVERED once the caller has the answer; the
-              agents service reads the delivered calls of its sessions into trajectories
+    calls     agents' model calls, one row per call: the agents service writes PROMPT (an environment's
+              turn, or a program's request rendered by the endpoint), addressed (TO) to itself, with
+              SAMPLING and SESSION for a program's call, and an environment's trajectory so far
+              (TRAJECTORY_SO_FAR, its state in the metadata) so any successor can resume it; inference
+              writes GENERATED
     eval      the same flow for held-out prompts (PROMPT, then inference's columns)
     gate      the trainer's published weight versions (VERSION), which pace rollout
     control   run-wide events (EVENT: FINISHED or FAILED)
@@ -41,7 +38,6 @@ CONTROL = "control"
 CHECKPOINT = "checkpoint"
 CHECKPOINT_ACKS = "checkpoint_acks"
 TASKS = "tasks"
-TURNS = "turns"
 CALLS = "calls"
 
 # columns of samples (and eval)
@@ -70,25 +66,30 @@ RM_SCORE = "rm_score"
 VALUES = "values"
 
 LOSS_MASK = "loss_mask"
-"""Per response token: 1 on the model's tokens, 0 on the environment's (multi-turn samples only)."""
+"""Per response token: 1 on the model's tokens, 0 on everything else (agents' samples only)."""
 TOKEN_VERSIONS = "token_versions"
-"""Per response token: the weight version that generated it (-1: the environment's)."""
-TRAJ_LOGPROBS = "traj_logprobs"
-"""In `turns`: the behaviour logprobs of the trajectory's tokens so far (0 on the environment's)."""
+"""Per response token: the weight version that generated it (-1: not the model's)."""
 ENV_REWARD = "env_reward"
-"""The environment's reward of a trajectory (NaN: the environment failed; the sample is invalid)."""
-
+"""An agent's reward of its trajectory (NaN: the episode failed; the sample is invalid)."""
 SEGMENTS = "segments"
-"""Optional, per sample: the lengths of the independent token sequences its prompt + response hold (an
-agent's trajectory whose history was rewritten between calls; meshrl/envs/sessions.py). Each is trained
-as a sequence of its own (positions restart, no token attends across), under the sample's reward."""
-
-DELIVERED = "delivered"
-"""In `calls`: 1 when the caller got the answer, 0 when nobody was waiting for it any more (the endpoint
-replica that took the call restarted): the agents service leaves it out of the trajectory."""
+"""Per agent's sample: the lengths of the independent token sequences its prompt + response hold (one,
+unless a call's history did not extend the one before: meshrl/envs/trajectory.py). Each is trained as a
+sequence of its own (positions restart, no token attends across), under the sample's reward."""
+EARLIER = "earlier"
+"""In `calls`, an environment's call: the trajectory's tokens before the current segment (the call's
+PROMPT is that segment); empty unless the trajectory split."""
+TRAJ_LOGPROBS = "traj_logprobs"
+"""In `calls`, an environment's call: the behaviour log-probs of the trajectory so far, per token after its
+first prompt (LOSS_MASK and TOKEN_VERSIONS too, SEGMENTS over EARLIER + PROMPT)."""
 
 GENERATED = (RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH)
 """What inference writes."""
+TRAJECTORY_SO_FAR = (EARLIER, LOSS_MASK, TRAJ_LOGPROBS, TOKEN_VERSIONS, SEGMENTS)
+"""What an environment's call row carries of its trajectory besides the call's PROMPT."""
+TRAJECTORY_WRITES = (
+    PROMPT, RESPONSE, LOGPROBS, LOSS_MASK, TOKEN_VERSIONS, SEGMENTS, VERSION, GEN_S, GEN_BATCH, ENV_REWARD,
+)  # fmt: skip
+"""The columns of an agent's sample (meshrl/envs/trajectory.py)."""
 
 # other partitions' columns
 EVENT = "event"
@@ -123,40 +124,42 @@ EVAL_VERSION = "eval_version"
 GREEDY = "greedy"
 """bool: on an evaluation row, generate it greedily."""
 TURN = "turn"
-"""int: on a turn row, how many model turns the trajectory has had (it seeds the turn's sampling)."""
+"""int: on an environment's call row, how many model turns the trajectory has had (it seeds the turn's
+sampling)."""
 BY = "by"
 """str: on control, checkpoint-ack and ring rows, the process that wrote it."""
 FINAL = "final"
 """bool: on a gate row, the last version of the run."""
 TO = "to"
 """str: the replicas a row is addressed to, joined by commas (`<group>-<index>`, a replica's name): a claim with an
-address gets only the rows whose TO names it (the endpoint replica that must answer a call, the
-agents replica whose session made it)."""
+address gets only the rows whose TO names it (the agents replica that made a call takes its answer)."""
 SESSION = "session"
-"""str: on a call row, the session (one agent program's run) that made it."""
+"""str: on a program's call row, the session (one program's run) that made it."""
 SAMPLING = "sampling"
 """str: on a call row, what the caller asked for, as a JSON object: temperature, top_p, max_tokens, seed
 (each optional: the run's own settings fill the rest)."""
 CARRIED = (GROUP, MEMBER, PROMPT_ID, EPOCH, MIN_VERSION)
-"""What a trajectory's turn rows and its finished sample keep of the row that started it."""
+"""What a trajectory's call rows and its finished sample keep of the row that started it."""
 MODEL_TURNS = "model_turns"
 """int: on an agent's sample, the model turns (calls) of its trajectory; the trainer reports them."""
 SEQUENCES = "sequences"
-"""int: on an agent program's sample, its segments (1: every call joined the one before)."""
+"""int: on an agent's sample, its segments (1: every call joined the one before)."""
 TRUNCATED = "truncated"
 """str | None: on an environment's sample, the limit the trajectory ran into: "turns" or "tokens"."""
 TRAJ_FAILED = "failed"
-"""bool: on an agent's sample, the environment or program failed (its reward is NaN)."""
+"""bool: on an agent's sample, the episode failed (its reward is NaN)."""
 TOOL_CALLS = "tool_calls"
-"""int: on an environment's sample, the tool calls its steps ran (`call_tools`; malformed ones included)."""
+"""int: on an agent's sample, the tool calls of its trajectory: those an environment's steps ran
+(`call_tools`), those the endpoint parsed from a program's answers (malformed ones included)."""
 TOOL_ERRORS = "tool_errors"
-"""str: on an environment's sample, its tool errors by kind, a JSON object over TOOL_ERROR_KINDS."""
+"""str: on an agent's sample, its tool errors by kind, a JSON object over TOOL_ERROR_KINDS (for a
+program, only "malformed" is seen: its tools run in its own code)."""
 TOOL_ERROR_KINDS = ("malformed", "unknown_tool", "arguments", "raised", "timeout")
 """A tool call that did not parse, named no tool, had bad arguments, raised, or ran out of time."""
 ENV_REWARDS = "env_rewards"
 """str: on an agent's sample, the environment's (or program's) named reward parts, a JSON object."""
 ENV_S = "env_s"
-"""float: on an agent's sample, seconds its trajectory spent in the environment (or program)."""
+"""float: on an agent's sample, seconds its trajectory spent in the environment (a program: its own time)."""
 QUEUED_S = "queued_s"
 """float: on an agent's sample, seconds its trajectory was neither generating nor in the environment
 (waiting for a generation slot, an env slot, or the data plane)."""

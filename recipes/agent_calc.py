@@ -7,9 +7,9 @@ multi-turn trajectories, synchronous (lock-step).
     meshrl run recipes/agent_calc.py *.model=runs/agent-calc-sft
 
 Four services: rollout feeds trajectory starts and scores whole trajectories (the environment's
-reward, GRPO over each group of 8); the environment service (meshrl/tasks/agent_calc: CalcEnv) resets,
-parses `calc(...)` calls, runs the tool and writes each next turn; inference generates turns; the
-trainer trains on the model's tokens only (the loss mask). See README, "Writing an environment".
+reward, GRPO over each group of 8); the agents service plays the environment (meshrl/tasks/agent_calc:
+CalcEnv): it resets, parses `calc(...)` calls, runs the tool and writes each next turn as a model call;
+inference generates the turns; the trainer trains on the model's tokens only (the loss mask). See README, "Writing an environment".
 
 Measured on 2 CPU cores with the commands above (a 28 s warm start, a 58 s run): the reward climbs
 from 0.56 at step 0, first 10 steps 0.66 and last 10 0.86; tool calls per trajectory 0.61 -> 0.96.
@@ -20,7 +20,7 @@ in its head (wrongly) on part of the problems.
 
 from meshrl.engines.settings import OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
-from meshrl.roles.env.config import EnvConfig
+from meshrl.roles.agents.config import AgentsConfig
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
@@ -47,8 +47,8 @@ def recipe() -> Recipe:
                 ),
             ),
             ServiceGroup(
-                id="env",
-                config=EnvConfig(
+                id="agents",
+                config=AgentsConfig(
                     model=MODEL,
                     environment="meshrl.tasks.agent_calc:CalcEnv",
                     parser="plain",

@@ -3,18 +3,16 @@
     make run                                          # once: builds runs/arith-sft
     meshrl run recipes/agent_program.py *.model=runs/arith-sft
 
-Five services: rollout feeds tasks and scores trajectories by the program's reward; the agents service
+Four services: rollout feeds tasks and scores trajectories by the program's reward; the agents service
 runs the program (meshrl/tasks/arith/agent.py: `solve`) on each task, many at once; the program calls
-the model through the endpoint (an OpenAI-compatible HTTP server, `/v1/chat/completions`), whose every
-call is a row that inference generates; the agents service joins a session's calls into one trained
-sample. Any program written against the OpenAI SDK trains this way (README, "Train an agent you
+the model through the agents service's endpoint (OpenAI-compatible, `/v1/chat/completions`), whose
+every call is a row that inference generates; a session's calls join into one trained sample. Any program written against the OpenAI SDK trains this way (README, "Train an agent you
 already have").
 """
 
 from meshrl.engines.settings import OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.agents.config import AgentsConfig
-from meshrl.roles.endpoint.config import EndpointConfig
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
@@ -39,9 +37,10 @@ def recipe() -> Recipe:
             ),
             ServiceGroup(
                 id="agents",
-                config=AgentsConfig(program="meshrl.tasks.arith.agent:solve"),
+                config=AgentsConfig(
+                    model=MODEL, program="meshrl.tasks.arith.agent:solve", name="policy", tool_role="user"
+                ),
             ),
-            ServiceGroup(id="endpoint", config=EndpointConfig(model=MODEL, name="policy", tool_role="user")),
             ServiceGroup(
                 id="inference",
                 config=InferenceConfig(model=MODEL, max_new_tokens=4, threads=2),

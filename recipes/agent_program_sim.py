@@ -10,7 +10,6 @@ model over HTTP (meshrl.envs.sim:sim_program) instead of an environment service.
 from meshrl.engines.settings import SimGeneration, SimTraining
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.agents.config import AgentsConfig
-from meshrl.roles.endpoint.config import EndpointConfig
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
@@ -31,12 +30,15 @@ def recipe() -> Recipe:
             ),
             ServiceGroup(
                 id="agents",
-                config=AgentsConfig(program="meshrl.envs.sim:sim_program", concurrency=512),
-            ),
-            ServiceGroup(
-                id="endpoint",
                 # the simulated engine has no context limit: the model only lends its tokenizer
-                config=EndpointConfig(model=MODEL, name="policy", tool_role="user", context=1_000_000),
+                config=AgentsConfig(
+                    model=MODEL,
+                    program="meshrl.envs.sim:sim_program",
+                    name="policy",
+                    tool_role="user",
+                    max_tokens=1_000_000,
+                    concurrency=512,
+                ),
             ),
             ServiceGroup(
                 id="inference",

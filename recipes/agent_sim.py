@@ -13,7 +13,7 @@ and the same work as a global loop with a barrier per turn.
 from meshrl.engines.settings import SimGeneration, SimTraining
 from meshrl.envs.sim import TOOL_TIMEOUT_S
 from meshrl.planning.recipe import Recipe, ServiceGroup
-from meshrl.roles.env.config import EnvConfig
+from meshrl.roles.agents.config import AgentsConfig
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
@@ -33,8 +33,8 @@ def recipe() -> Recipe:
                 config=RolloutConfig(model=MODEL, rewards={"env": 1.0}, window=None),
             ),
             ServiceGroup(
-                id="env",
-                config=EnvConfig(
+                id="agents",
+                config=AgentsConfig(
                     model=MODEL,
                     environment="meshrl.envs.sim:SimToolEnv",
                     parser="plain",

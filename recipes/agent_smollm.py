@@ -17,7 +17,7 @@ makes answers right. The README ("An agent on a real chat model") gives the figu
 
 from meshrl.engines.settings import MemoryConfig, OptimConfig
 from meshrl.planning.recipe import Recipe, ServiceGroup
-from meshrl.roles.env.config import EnvConfig
+from meshrl.roles.agents.config import AgentsConfig
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
@@ -51,8 +51,8 @@ def recipe() -> Recipe:
                 ),
             ),
             ServiceGroup(
-                id="env",
-                config=EnvConfig(
+                id="agents",
+                config=AgentsConfig(
                     model=MODEL,
                     environment="meshrl.tasks.calculator:CalculatorEnv",
                     parser="hermes",

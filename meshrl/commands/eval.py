@@ -11,12 +11,10 @@ It prints one JSON object: greedy / sampled reward (the mean reward trained on),
 accuracy and pass@k (by the recipe's correctness check, `rollout.correctness`), each reward function's
 mean, timing.
 
-With an environment service in the recipe (an agent trained through `meshrl.envs`), each held-out row
-is played as the run plays it: the environment the recipe builds (its `environment_args` and limits),
-the chat template and tool-call parser of the env group, turns generated greedy and sampled until the
-trajectory ends. It reports the environment's reward (greedy / sampled), each named part of it
-(`greedy/env_<part>`, `sampled/env_<part>`: a part named "correct" is the accuracy), turns, tool calls
-and tool errors per trajectory, and truncations. Agent programs (the endpoint) are not evaluated here.
+With an agents group in the recipe (an environment, an agent program or a verifiers taskset), each
+held-out row is played as the run plays it, greedy and sampled (meshrl/commands/eval_agents.py): the
+reward, each named part of it (`greedy/env_<part>`: a part named "correct" is the accuracy), turns,
+tool calls and the share that worked, truncations and failures per trajectory.
 """
 
 from __future__ import annotations
@@ -51,9 +49,11 @@ def main(argv: list[str]) -> int:
     except RecipeError as e:
         print(f"meshrl eval: {e}", file=sys.stderr)
         return 2
-    env = next((g.config for g in recipe.groups if type(g.config).__name__ == "EnvConfig"), None)
+    agents = next((g.config for g in recipe.groups if type(g.config).__name__ == "AgentsConfig"), None)
     result = (
-        evaluate(rollout, inference, recipe) if env is None else evaluate_env(rollout, inference, env, recipe)
+        evaluate(rollout, inference, recipe)
+        if agents is None
+        else evaluate_agents(rollout, inference, agents, recipe)
     )
     text = json.dumps(result)
     print(text)
@@ -72,10 +72,6 @@ def _configs(path: str, overrides: list[str]) -> tuple[Any, Any, Any]:
     inference = next((g.config for g in recipe.groups if isinstance(g.config, InferenceConfig)), None)
     if rollout is None or inference is None:
         raise RecipeError(["meshrl eval needs a recipe with a rollout and an inference group"])
-    if any(type(g.config).__name__ == "AgentsConfig" for g in recipe.groups):
-        raise RecipeError(["meshrl eval does not run agent programs (an agents group): they call a run's "
-                           "endpoint; follow them by the run's reward (rewards.jsonl), or point the program "
-                           "at any OpenAI-compatible server"])  # fmt: skip
     return rollout, inference, recipe
 
 
@@ -126,17 +122,17 @@ def generate(
     out: list[list[int]] = [[] for _ in meta]
     for greedy in (False, True):
         todo = [j for j, m in enumerate(meta) if m[GREEDY] == greedy]
-        params = _sampling(inference, recipe, greedy)
+        params = sampling_params(inference, recipe, greedy)
         for start in range(0, len(todo), inference.max_batch):
             part = todo[start : start + inference.max_batch]
-            seeds = [_seed(recipe, meta[j][PROMPT_ID], meta[j][MEMBER]) for j in part]
+            seeds = [seed_of(recipe, meta[j][PROMPT_ID], meta[j][MEMBER]) for j in part]
             done = engine.generate([prompts[meta[j][PROMPT_ID]] for j in part], params, seeds=seeds)
             for j, c in zip(part, done, strict=True):
                 out[j] = c.tokens
     return out
 
 
-def _sampling(inference: Any, recipe: Any, greedy: bool) -> Any:
+def sampling_params(inference: Any, recipe: Any, greedy: bool) -> Any:
     """The sampling parameters of an evaluation's greedy or sampled completions."""
     from meshrl.engines.base import SamplingParams
 
@@ -146,25 +142,18 @@ def _sampling(inference: Any, recipe: Any, greedy: bool) -> Any:
     )  # fmt: skip
 
 
-def _seed(recipe: Any, prompt: int, member: int) -> int:
+def seed_of(recipe: Any, prompt: int, member: int) -> int:
     """The seed the inference service gives member `member` of held-out prompt `prompt` (version 0)."""
     from meshrl.roles.inference.engine import row_seed
 
     return row_seed(recipe.seed, (1, 0, prompt), member) * 4099 % 2**63
 
 
-def evaluate_env(rollout: Any, inference: Any, env_cfg: Any, recipe: Any) -> dict[str, Any]:
-    """Held-out trajectories of the recipe's environment, greedy and sampled (see the module docstring)."""
-    import importlib
-    import math
-
+def evaluate_agents(rollout: Any, inference: Any, agents: Any, recipe: Any) -> dict[str, Any]:
+    """Held-out trajectories of the recipe's agents, greedy and sampled (meshrl/commands/eval_agents.py)."""
     import torch
-    from transformers import AutoTokenizer
 
-    from meshrl.envs.episode import Outcome, advance, start
-    from meshrl.envs.parsers import build_parser
-    from meshrl.envs.render import Renderer
-    from meshrl.roles.inference.engine import build_engine
+    from meshrl.commands.eval_agents import evaluate_agents as play
     from meshrl.roles.rollout.data import load_rows
 
     _, rows = load_rows(rollout)
@@ -172,52 +161,8 @@ def evaluate_env(rollout: Any, inference: Any, env_cfg: Any, recipe: Any) -> dic
         raise SystemExit("meshrl eval: no held-out rows: set rollout.eval_dataset (and rollout.eval_split)")
     if inference.threads:
         torch.set_num_threads(inference.threads)
-    module, _, name = env_cfg.environment.partition(":")
-    env = getattr(importlib.import_module(module), name)(**env_cfg.environment_args)
-    env.limits = env_cfg.limits(inference.max_new_tokens)
-    tokenizer = AutoTokenizer.from_pretrained(env_cfg.model)
-    renderer = Renderer(tokenizer, env.tools, tool_role=env_cfg.tool_role)
-    parser = build_parser(env_cfg.parser, [t.name for t in env.tools])
-    engine = build_engine(inference, device="cuda:0" if torch.cuda.is_available() else "cpu",
-                          seed=recipe.seed, work_dir=None)  # fmt: skip
-    members = [(i, k) for i in range(len(rows)) for k in range(1 + rollout.eval_samples)]
-
-    async def play() -> list[Outcome]:
-        outs = list(await asyncio.gather(*(start(env, renderer, rows[i]) for i, _ in members)))
-        while todo := [j for j, o in enumerate(outs) if not o.done]:
-            for greedy in (False, True):
-                part = [j for j in todo if (members[j][1] == 0) == greedy]
-                params = _sampling(inference, recipe, greedy)
-                for b in range(0, len(part), inference.max_batch):
-                    some = part[b : b + inference.max_batch]
-                    seeds = [(_seed(recipe, *members[j]) + outs[j].trajectory.turns) % 2**63 for j in some]
-                    done = engine.generate([outs[j].trajectory.ids for j in some], params, seeds=seeds)
-                    turns = [advance(env, renderer, parser, outs[j], c.tokens, c.logprobs, 0)
-                             for j, c in zip(some, done, strict=True)]  # fmt: skip
-                    for j, o in zip(some, await asyncio.gather(*turns), strict=True):
-                        outs[j] = o
-        return outs
-
     t0 = time.perf_counter()
-    outs = asyncio.run(play())
-    gen_s = time.perf_counter() - t0
-    result: dict[str, Any] = {"model": inference.model, "dataset": rollout.eval_dataset or rollout.dataset,
-                              "environment": env_cfg.environment, "prompts": len(rows)}  # fmt: skip
-    for label, greedy in (("greedy", True), ("sampled", False)):
-        mine = [o for (_, k), o in zip(members, outs, strict=True) if (k == 0) == greedy]
-        if not mine:
-            continue
-        ok = [o for o in mine if not math.isnan(o.reward)]
-        result[f"{label}_reward"] = round(sum(o.reward for o in ok) / max(len(ok), 1), 4)
-        for part in sorted({p for o in ok for p in o.rewards} - {"reward"}):  # "reward": one unnamed number
-            result[f"{label}/env_{part}"] = round(
-                sum(o.rewards.get(part, 0.0) for o in ok) / max(len(ok), 1), 4
-            )
-        calls = sum(o.tool_calls for o in mine)
-        errors = sum(sum(o.tool_errors.values()) for o in mine)
-        result[f"{label}/turns_mean"] = round(sum(o.trajectory.turns for o in mine) / len(mine), 3)
-        result[f"{label}/tool_calls_mean"] = round(calls / len(mine), 3)
-        result[f"{label}/tool_success"] = round((calls - errors) / calls, 4) if calls else None
-        result[f"{label}/truncated"] = sum(o.truncated is not None for o in mine)
-        result[f"{label}/failed"] = len(mine) - len(ok)
-    return {**result, "engine": inference.engine, "generate_s": round(gen_s, 3)}
+    result = play(rows, agents, inference, recipe, rollout.eval_samples)
+    what = agents.environment or agents.program or f"verifiers:{agents.verifiers}"
+    return {"model": inference.model, "dataset": rollout.eval_dataset or rollout.dataset, "agent": what, **result,
+            "engine": inference.engine, "generate_s": round(time.perf_counter() - t0, 3)}  # fmt: skip

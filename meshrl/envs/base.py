@@ -3,15 +3,15 @@ each of the model's turns, and scores the trajectory at the end.
 
 An environment never sees tokens. Its state is a JSON-serialisable dict, kept in the data plane with
 the trajectory's current turn, so a trajectory resumes from its last written turn on any replica of
-the environment service (docs/architecture.md, "Agents"). The limits (turns, tokens, timeouts) are
-the recipe's (`EnvConfig`, meshrl/roles/env/config.py), enforced around these calls and readable here
-as `self.limits`; the recipe's `environment_args` are the class's constructor arguments.
+the agents service (docs/architecture.md, "Agents"). The limits (turns, tokens, timeouts) are the
+recipe's (`AgentsConfig`, meshrl/roles/agents/config.py), enforced around these calls and readable here
+as `self.limits`; the recipe's `args` are the class's constructor arguments.
 
     class Guess(Environment):
         async def reset(self, row):          # the dataset row rollout fed -> first messages, state
             return [{"role": "user", "content": "guess my number"}], {"secret": row["secret"]}
 
-        async def step(self, state, turn):   # turn.content, turn.tool_calls: the model's reply
+        async def step(self, state, turn):   # turn.text, turn.content, turn.tool_calls: the model's reply
             ...  # compare, reply "higher"/"lower", done when right
             return Step([{"role": "user", "content": "higher"}], done=False)
 
@@ -22,6 +22,8 @@ as `self.limits`; the recipe's `environment_args` are the class's constructor ar
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,14 +39,15 @@ State = dict[str, Any]
 
 @dataclass(frozen=True)
 class Limits:
-    """How far a trajectory may go: the recipe's (`EnvConfig.limits`), one copy for the service and the
-    environment (`Environment.limits`)."""
+    """How far a trajectory may go: the recipe's (`AgentsConfig.limits`), one copy for the service and
+    the environment (`Environment.limits`)."""
 
     max_turns: int = 8
     """Model turns per trajectory; the trajectory is truncated after the last."""
     max_tokens: int = 1024
-    """Token budget of a whole trajectory (prompt, turns, replies): a reply that would leave no room
-    for another full turn of `max_new_tokens` truncates it instead."""
+    """Token budget of the sequence the model sees (prompt, turns, replies; a segment, where a reasoning
+    template starts one): a reply that would leave no room for another full turn of `max_new_tokens`
+    truncates the trajectory instead."""
     max_new_tokens: int = 64
     """Inference's limit per turn (the inference group's `max_new_tokens`)."""
     step_timeout_s: float = 60.0
@@ -72,8 +75,17 @@ class Step:
 class Turn:
     """The model's turn as the environment sees it: the decoded text and the tool calls parsed from it."""
 
-    content: str
+    text: str
+    """Everything the model wrote (without its stop token)."""
     tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def content(self) -> str:
+        """The text outside the tool calls (an OpenAI message's `content`)."""
+        text = self.text
+        for c in self.tool_calls:
+            text = text.replace(c.raw, "")
+        return text.strip() if self.tool_calls else text
 
     def message(self) -> Message:
         """The turn as a chat message, its parsed calls in the OpenAI shape (a malformed call: as
@@ -86,6 +98,14 @@ class Turn:
                 for i, c in enumerate(self.tool_calls)
             ]  # fmt: skip
         return out
+
+
+MOVED = {
+    name: f"the recipe's agents.{name} (read it here as self.limits.{name})"
+    for name in ("max_turns", "max_tokens", "step_timeout_s", "tool_timeout_s")
+}
+"""Class attributes that once configured an environment and now are the recipe's limits: a class that
+still sets one is refused at start-up (meshrl/roles/agents/config.py), rather than silently ignored."""
 
 
 class Environment:
@@ -113,11 +133,37 @@ class Environment:
     async def reward(
         self, state: State, final: Turn | None, transcript: list[Message]
     ) -> float | dict[str, float]:
-        """The trajectory's reward: one number, or several named ones (summed, each logged as
-        `reward/env_<name>`). `final` is the model's last turn (None when the trajectory was cut
-        before one); `transcript` every message so far (reset's, the model's with their parsed
-        `tool_calls`, the environment's replies), as an OpenAI-style conversation."""
+        """The trajectory's reward (`reward_parts` says what counts as one). `final` is the model's last
+        turn (None when the trajectory was cut before one); `transcript` every message so far (reset's,
+        the model's with their parsed `tool_calls`, the environment's replies), as an OpenAI-style
+        conversation."""
         raise NotImplementedError
+
+
+def reward_parts(value: Any) -> dict[str, float]:
+    """The one reward rule, for environments, agent programs and verifiers episodes alike: a reward is a
+    number (a bool counts as 0 or 1; numpy and torch scalars too), the part named "reward"; or a
+    non-empty dict of named numbers, summed into the trajectory's reward, each part logged as
+    `reward/env_<name>`. Anything else (None, text, a list, an empty dict) and any part that is NaN or
+    infinite raise `EnvError` saying which: the trajectory fails (reward NaN: never trained, counted)."""
+    parts = value if isinstance(value, dict) else {"reward": value}
+    if not parts:
+        raise EnvError("the reward is an empty dict: name at least one part")
+    out = {}
+    for name, v in parts.items():
+        if not isinstance(name, str) or not _number(v):
+            shown = value if len(repr(value)) < 120 else f"{repr(value)[:117]}..."
+            raise EnvError(f"the reward must be a number or a dict of named numbers, not {shown!r}")
+        out[name] = float(v)
+        if not math.isfinite(out[name]):
+            raise EnvError(f"reward part {name!r} is {out[name]}")
+    return out
+
+
+def _number(v: Any) -> bool:
+    if isinstance(v, numbers.Real):
+        return True
+    return type(v).__name__ == "Tensor" and getattr(v, "ndim", None) == 0 and not v.is_complex()
 
 
 def check_messages(value: Any, where: str) -> list[Message]:

@@ -1,22 +1,19 @@
-"""One trajectory's moves, as pure async functions over an environment: start it from a dataset row,
-and advance it by one model turn. The environment service (meshrl/roles/env/service.py) calls these
-between the data plane's turn rows; tests call them directly.
+"""An environment's trajectory, move by move: start it from a dataset row, advance it by one model turn.
+The agents service (meshrl/roles/agents/service.py) drives these between model calls, `meshrl eval`
+with its own engine, tests directly. An `Episode` is everything needed to go on, so the service keeps it
+in each call row and a trajectory resumes from its last turn on whichever replica takes the answer.
 
 Every way an environment or a model can misbehave has one outcome here: a tool problem is a tool
-message (tools.py); a step or reset that raises, times out or returns something that is not messages,
-and a reward that fails, end the trajectory as failed (reward NaN: rollout counts the sample failed,
-the run goes on within `max_failed_fraction`); a trajectory past its turns or its token budget ends
-truncated (scored as it is, counted by the limit it ran into).
-
-An outcome also keeps the trajectory's transcript (every message: reset's, the model's turns with
-their parsed tool calls, the environment's replies), which `reward` sees, and its tool figures.
+message (tools.py); a reset or step that raises, times out or returns something that is not messages
+(or a state that is not a JSON dict), and a reward that fails the reward rule (base.reward_parts), end
+the trajectory as failed (reward NaN: never trained, counted); a trajectory past its turns or its token
+budget ends truncated (scored as it is, counted by the limit it ran into).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 from collections import Counter
 from collections.abc import Awaitable
@@ -24,20 +21,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from meshrl.envs import tools
-from meshrl.envs.base import EnvError, Environment, Limits, Message, State, Step, Turn, check_messages
-from meshrl.envs.parsers import Parser
+from meshrl.envs.base import EnvError, Environment, Message, State, Step, Turn, check_messages, reward_parts
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Trajectory
 
 T = TypeVar("T")
 
-log = logging.getLogger("meshrl.env")
-
 
 @dataclass
-class Outcome:
+class Episode:
     trajectory: Trajectory
     state: State
+    transcript: list[Message] = field(default_factory=list)
+    """Every message so far: reset's, the model's turns with their parsed tool calls, the replies."""
     done: bool = False
     reward: float = math.nan
     rewards: dict[str, float] = field(default_factory=dict)
@@ -45,94 +41,105 @@ class Outcome:
     """The limit the trajectory ran into, or None."""
     failed: str | None = None
     """Why the trajectory failed (its reward is NaN), or None."""
-    transcript: list[Message] = field(default_factory=list)
     tool_calls: int = 0
     tool_errors: Counter[str] = field(default_factory=Counter)
     """Tool errors by kind (schema.TOOL_ERROR_KINDS)."""
 
-    def count_tools(self, tally: Counter[str]) -> None:
-        """Add one step's tally of `call_tools` (its calls, its errors by kind)."""
-        self.tool_calls += tally.pop("calls", 0)
-        self.tool_errors.update(tally)
+    @property
+    def turns(self) -> int:
+        return self.trajectory.calls
+
+    def state_json(self) -> dict[str, Any]:
+        """What the episode is besides its tokens, as JSON-ready values (a call row's metadata)."""
+        return {"state": self.state, "transcript": self.transcript, "tool_calls": self.tool_calls,
+                "tool_errors": dict(self.tool_errors)}  # fmt: skip
+
+    @classmethod
+    def resume(cls, trajectory: Trajectory, saved: dict[str, Any]) -> Episode:
+        """The episode a call row recorded (`state_json` and its trajectory so far)."""
+        return cls(trajectory, saved["state"], saved["transcript"], tool_calls=saved["tool_calls"],
+                   tool_errors=Counter(saved["tool_errors"]))  # fmt: skip
 
 
-async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Outcome:
-    """Reset on `row` and render the first context; a failure ends the trajectory before any turn."""
+def schemas(env: Environment) -> list[Message] | None:
+    """The environment's tools as the chat template gets them."""
+    return [t.schema for t in env.tools] or None
+
+
+async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Episode:
+    """Reset on `row` and render the first prompt; a failure ends the trajectory before any turn."""
     limits = env.limits
     try:
         messages, state = await _within(env.reset(row), limits.step_timeout_s)
         messages = check_messages(messages, f"{type(env).__name__}.reset")
         _check_state(state, "reset")
-        ids = renderer.first(messages)
+        ids = renderer.prompt(messages, schemas(env))
     except Exception as e:
-        return Outcome(Trajectory.start([renderer.stop]), {}, done=True, failed=_why("reset", e, limits))
-    out = Outcome(Trajectory.start(ids), state, transcript=list(messages))
+        return Episode(Trajectory(), {}, done=True, failed=_why("reset", e, limits.step_timeout_s))
+    out = Episode(Trajectory(), state, list(messages))
+    out.trajectory.prompt(ids)
     if len(ids) + limits.max_new_tokens > limits.max_tokens:
         out.truncated = "tokens"
-        return await _finish(env, out, None, limits)
+        return await _finish(env, out, None)
     return out
 
 
 async def advance(
     env: Environment,
     renderer: Renderer,
-    parser: Parser,
-    outcome: Outcome,
-    response: list[int],
+    ep: Episode,
+    completion: list[int],
     logprobs: list[float],
     version: int,
-) -> Outcome:
-    """Append the model's turn exactly as generated, step the environment, and append its reply (or end
+) -> Episode:
+    """Add the model's turn exactly as generated, step the environment, and add the next prompt (or end
     the trajectory: done, out of turns or budget (`env.limits`), or failed)."""
     limits = env.limits
-    traj, state = outcome.trajectory, outcome.state
-    traj.add_model(response, logprobs, version)
-    text = renderer.decode(response)
-    turn = Turn(text, parser.parse(text))
-    outcome.transcript.append(turn.message())
+    ep.trajectory.answer(completion, logprobs, version)
+    text = renderer.decode(completion)
+    turn = Turn(text, renderer.parser.parse(text))
+    ep.transcript.append(turn.message())
     counted: Counter[str] = Counter()
     counting = tools.tally.set(counted)
     try:
-        step = await _within(env.step(state, turn), limits.step_timeout_s)
+        step = await _within(env.step(ep.state, turn), limits.step_timeout_s)
         if not isinstance(step, Step):
             raise EnvError(f"{type(env).__name__}.step returned {type(step).__name__}, not a Step")
         messages = check_messages(step.messages, f"{type(env).__name__}.step")
-        _check_state(state, "step")
+        _check_state(ep.state, "step")
     except Exception as e:
-        outcome.done, outcome.failed = True, _why("step", e, limits)
-        return outcome
+        ep.done, ep.failed = True, _why("step", e, limits.step_timeout_s)
+        return ep
     finally:
         tools.tally.reset(counting)
-        outcome.count_tools(counted)
+        ep.tool_calls += counted.pop("calls", 0)
+        ep.tool_errors.update(counted)
     if step.done:
-        return await _finish(env, outcome, turn, limits)
-    if traj.turns >= limits.max_turns:
-        outcome.truncated = "turns"
-        return await _finish(env, outcome, turn, limits)
-    reply = renderer.reply(messages, after_stop=bool(response) and response[-1] == renderer.stop)
-    if len(traj.ids) + len(reply) + limits.max_new_tokens > limits.max_tokens:
-        outcome.truncated = "tokens"
-        return await _finish(env, outcome, turn, limits)
-    traj.add_env(reply)
-    outcome.transcript.extend(messages)  # what the model sees next (a reply cut by a limit is not)
-    return outcome
+        return await _finish(env, ep, turn)
+    if ep.turns >= limits.max_turns:
+        ep.truncated = "turns"
+        return await _finish(env, ep, turn)
+    tools_ = schemas(env)
+    ids = renderer.extend(ep.trajectory.tail, ep.transcript, messages, tools_)
+    ids = ids if ids is not None else renderer.prompt([*ep.transcript, *messages], tools_)
+    if len(ids) + limits.max_new_tokens > limits.max_tokens:
+        ep.truncated = "tokens"
+        return await _finish(env, ep, turn)
+    ep.trajectory.prompt(ids)
+    ep.transcript.extend(messages)  # what the model sees next (a reply cut by a limit is not)
+    return ep
 
 
-async def _finish(env: Environment, outcome: Outcome, final: Turn | None, limits: Limits) -> Outcome:
-    """Take the reward: one number, or named ones (summed); a failure makes it NaN."""
-    outcome.done = True
+async def _finish(env: Environment, ep: Episode, final: Turn | None) -> Episode:
+    ep.done = True
     try:
-        value = await _within(env.reward(outcome.state, final, outcome.transcript), limits.step_timeout_s)
-        named = dict(value) if isinstance(value, dict) else {"reward": value}
-        named = {str(k): float(v) for k, v in named.items()}
-        total = math.fsum(named.values())
-        if not math.isfinite(total):
-            raise EnvError(f"reward is {total}")
+        value = await _within(env.reward(ep.state, final, ep.transcript), env.limits.step_timeout_s)
+        ep.rewards = reward_parts(value)
     except Exception as e:
-        outcome.failed = _why("reward", e, limits)
-        return outcome
-    outcome.reward, outcome.rewards = total, named
-    return outcome
+        ep.failed = _why("reward", e, env.limits.step_timeout_s)
+        return ep
+    ep.reward = math.fsum(ep.rewards.values())
+    return ep
 
 
 def _check_state(state: Any, where: str) -> None:
@@ -144,9 +151,9 @@ def _check_state(state: Any, where: str) -> None:
         raise EnvError(f"{where}: the state must be JSON-serialisable ({e})") from e
 
 
-def _why(where: str, e: BaseException, limits: Limits) -> str:
+def _why(where: str, e: BaseException, timeout_s: float) -> str:
     if isinstance(e, TimeoutError):
-        return f"{where} timed out after {limits.step_timeout_s:g}s"
+        return f"{where} timed out after {timeout_s:g}s"
     return f"{where} raised {type(e).__name__}: {e}"
 
 

@@ -1,8 +1,11 @@
-"""Tool calls parsed from the model's decoded turn, one parser per format.
+"""Tool-call formats: calls parsed from the model's decoded turn, and the text a chat template without a
+tools section is given instead (meshrl/envs/render.py): the tool list, a call, a tool's result.
 
-`HermesParser`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2.5/3).
+`HermesParser`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2.5/3), results
+in `<tool_response>` tags, the tool list as the Hermes system block.
 `PlainParser`: `name(text)` for models without tool tokens (the tiny test model's character set has
-no braces or angle brackets): the text between the parentheses is the tool's first argument.
+no braces or angle brackets): the text between the parentheses is the tool's first argument; results
+are plain text and the tool list is not described (the model learns its tools from its training).
 
 A parser never raises on the model's output: a malformed call comes back as a `ToolCall` with `error`
 set, which the tool runner turns into a tool message saying what was wrong, so the model can learn
@@ -29,9 +32,35 @@ class ToolCall:
     """Why the call could not be parsed (then `name`/`arguments` are best effort)."""
 
 
+HERMES_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    "</tool_call>"
+)
+"""The tool list in the system prompt, for chat templates that do not render tools themselves."""
+
+
 class Parser(Protocol):
     def parse(self, text: str) -> list[ToolCall]:
         """Every tool call in `text`, in order; none is an empty list."""
+        ...
+
+    def call_text(self, name: str, arguments: dict[str, Any]) -> str:
+        """A call as the model writes it (for templates that render no tool calls)."""
+        ...
+
+    def result_text(self, content: str) -> str:
+        """A tool's result as the model reads it (for templates that render no tool role)."""
+        ...
+
+    def tools_text(self, schemas: list[dict[str, Any]]) -> str | None:
+        """The tool list for the system prompt of a template that renders no tools (None: not described)."""
+        ...
+
+    def knowing(self, tools: Collection[str]) -> Parser:
+        """This format, reading calls of the tools named `tools` (a request's)."""
         ...
 
 
@@ -63,6 +92,18 @@ class HermesParser:
             return ToolCall(call["name"], raw=raw, error="tool call arguments must be an object")
         return ToolCall(call["name"], args, raw=raw)
 
+    def call_text(self, name: str, arguments: dict[str, Any]) -> str:
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+    def result_text(self, content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+    def tools_text(self, schemas: list[dict[str, Any]]) -> str | None:
+        return HERMES_TOOLS.format(tools="\n".join(json.dumps(s) for s in schemas))
+
+    def knowing(self, tools: Collection[str]) -> Parser:
+        return self
+
 
 class PlainParser:
     """`name(text)` for the names in `tools`; the text becomes argument `argument` (or the tool's first
@@ -86,6 +127,18 @@ class PlainParser:
             calls.append(ToolCall(m.group(1), {self.argument or "": arg}, raw=text[m.start() : end + 1]))
             pos = end + 1
         return calls
+
+    def call_text(self, name: str, arguments: dict[str, Any]) -> str:
+        return f"{name}({next(iter(arguments.values()), '')})"
+
+    def result_text(self, content: str) -> str:
+        return content
+
+    def tools_text(self, schemas: list[dict[str, Any]]) -> str | None:
+        return None
+
+    def knowing(self, tools: Collection[str]) -> Parser:
+        return PlainParser(tools, self.argument)
 
 
 def _closing(text: str, start: int) -> int:

@@ -23,7 +23,7 @@ MEDIAN_S = 0.05
 SIGMA = math.log(2.0 / MEDIAN_S) / 2.326  # the 99th percentile at 2 s
 MIN_TURNS, MAX_TURNS = 2, 8
 TOOL_TIMEOUT_S = 2.5
-"""The simulated tool's timeout (a little past its 99th percentile): the env's `tool_timeout_s` in
+"""The simulated tool's timeout (a little past its 99th percentile): agents.tool_timeout_s in
 recipes/agent_sim.py, and what an agent program's or the barrier baseline's tool call waits at most."""
 
 

@@ -62,6 +62,10 @@ class ServiceConfig(Config):
     publishes_weights: ClassVar[bool] = False
     """A weight source: the groups that follow it receive every version it publishes (the trainer)."""
 
+    def imports(self) -> tuple[str, ...]:
+        """The modules its processes import (a launcher's zygote imports them once, before forking)."""
+        return (type(self).service.partition(":")[0],)
+
     def reads(self) -> tuple[Read, ...]:
         """The rows this service claims (meshrl/planning/wiring.py)."""
         return ()

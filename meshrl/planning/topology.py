@@ -33,7 +33,9 @@ from meshrl.planning.wiring import Wiring, wire
 
 SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
-HEALTH, MASTER, WEIGHTS, SPARE = range(PORTS)
+HEALTH, MASTER, WEIGHTS, HTTP = range(PORTS)
+"""A process's ports: its health endpoint, its torch.distributed group's master, the weights it
+receives or serves, and the agents' OpenAI-compatible endpoint."""
 
 
 @dataclass(frozen=True, order=True)

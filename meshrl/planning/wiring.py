@@ -153,8 +153,8 @@ PRODUCER_HINTS = {
     VALUES: "add a critic service group (or enable the trainer's value head)",
     REF_LOGPROBS: "add a reference service group",
     RM_SCORE: "add a reward-model service group",
-    ENV_REWARD: "add an environment service group (meshrl.roles.env.config.EnvConfig) or an agents group "
-    "and an endpoint (meshrl.roles.agents.config.AgentsConfig, meshrl.roles.endpoint.config.EndpointConfig)",
+    ENV_REWARD: "add an agents group (meshrl.roles.agents.config.AgentsConfig: an environment, a program or a "
+    "verifiers taskset)",
     **dict.fromkeys(teacher_columns("teacher"), "add a teacher service group"),
 }
 READER_HINTS = {

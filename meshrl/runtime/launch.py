@@ -170,7 +170,7 @@ class Launcher:
         if not groups:
             return
         configs = [self.recipe.group(g).config for g in sorted(groups)]
-        modules = ["transformers", *sorted({type(c).service.partition(":")[0] for c in configs})]
+        modules = ["transformers", *sorted({m for c in configs for m in c.imports()})]
         models = sorted({m for c in configs if isinstance(m := getattr(c, "model", None), str)})
         self.zygote = Forker(self.logs / "zygote.log", env, modules, models, check=self.signals.check)
 

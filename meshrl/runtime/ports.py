@@ -28,8 +28,8 @@ RANGE = (20000, 32000)
 """Where free bases are drawn from."""
 
 
-KINDS = ("health endpoint", "rendezvous port", "weight-group port", "spare port")
-"""What each of a process's ports is for (meshrl/planning/topology.py: HEALTH, MASTER, WEIGHTS, SPARE)."""
+KINDS = ("health endpoint", "rendezvous port", "weight-group port", "HTTP port")
+"""What each of a process's ports is for (meshrl/planning/topology.py: HEALTH, MASTER, WEIGHTS, HTTP)."""
 
 
 def host_ports(topology: Topology, host: str, ranks: Iterable[int] | None = None) -> dict[int, str]:

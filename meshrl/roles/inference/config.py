@@ -11,7 +11,7 @@ from meshrl.engines.settings import INSTALL, SGLangSettings, SimGeneration, VLLM
 from meshrl.models.hub import missing
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
-from meshrl.schema import CALLS, EVAL, GENERATED, PROMPT, SAMPLES, TURNS
+from meshrl.schema import CALLS, EVAL, GENERATED, PROMPT, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import Recipe, ServiceGroup
@@ -62,15 +62,14 @@ class InferenceConfig(ServiceConfig):
             yield "max_batch: must be >= 1"
 
     def reads(self) -> tuple[Read, ...]:
-        # prompts to complete: agents' calls where an endpoint writes them, agents' turns where an
-        # environment does, else rollout's samples
+        # prompts to complete: agents' model calls where an agents group makes them, else rollout's samples
         return (
-            Read("generate", (CALLS, TURNS, SAMPLES), (PROMPT,), consumer="inference"),
+            Read("generate", (CALLS, SAMPLES), (PROMPT,), consumer="inference"),
             Read("evaluate", EVAL, (PROMPT,), consumer="inference"),
         )
 
     def writes(self) -> tuple[Write, ...]:
-        return (Write("generated", (CALLS, TURNS, SAMPLES), GENERATED), Write("evaluated", EVAL, GENERATED))
+        return (Write("generated", (CALLS, SAMPLES), GENERATED), Write("evaluated", EVAL, GENERATED))
 
     def follows(self) -> str:
         return self.trainer

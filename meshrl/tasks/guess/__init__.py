@@ -43,7 +43,7 @@ class GuessEnv(Environment):
         return Step([{"role": "user", "content": "higher" if guess < state["secret"] else "lower"}])
 
     async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> dict[str, float]:
-        found, most = state["found"], self.limits.max_turns  # the recipe's env.max_turns
+        found, most = state["found"], self.limits.max_turns  # the recipe's agents.max_turns
         return {
             "found": float(found > 0),
             "speed": 0.1 * (most - found) / most if found else 0.0,

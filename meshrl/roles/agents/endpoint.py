@@ -1,0 +1,272 @@
+"""The endpoint: OpenAI-compatible routes over a model that answers calls, and the sessions of agent
+programs (docs/architecture.md, "Agents").
+
+    POST /v1/chat/completions        OpenAI's chat API (tools, streaming, stop, seed, ...)
+    POST /inference/v1/generate      vLLM's token-in/token-out route (verifiers' training client)
+    GET  /v1/models                  the served model, with its max_model_len
+
+The same routes also live under `/s/<session>/...`: a program's base URL names its session. In a run
+the model is the agents service's call rows (service.py), in `meshrl eval` an engine of its own. The
+app is served over HTTP (uvicorn: programs' own clients, subprocesses) and in-process (httpx's ASGI
+transport: `run.client`, `run.sync_client`), by the process that runs the programs.
+
+A session's calls join into one token sequence whenever the program sends back the history it was
+given (the last prompt and answer exactly as generated, then the new messages: `Renderer.extend`); an
+edited history is rendered whole and starts a segment (meshrl/envs/trajectory.py). The calls of a
+session the agents service runs are recorded in it, with the tool calls its answers hold, and the
+time it had a call in flight (the program's own time is the rest). No line is logged per request:
+the counts are (`Endpoint.counts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from meshrl.envs.render import Renderer
+from meshrl.envs.trajectory import Call as Record
+from meshrl.roles.agents import chat
+from meshrl.roles.agents.chat import ApiError, Call, Generated
+
+LOOSE_SESSIONS = 65536
+"""Sessions of callers the service does not run (an `X-Session-ID` of their own) whose last call is
+remembered for joining the next one to it (least recently used go)."""
+
+
+@dataclass
+class Last:
+    """What a session's last call was rendered from and answered: for joining the next one to it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    ids: list[int]
+    """The prompt and the completion, as one sequence."""
+    reply: dict[str, Any]
+    """The assistant message the answer carried, as the program will send it back."""
+
+
+@dataclass
+class Session:
+    key: str
+    min_version: int = 0
+    """The oldest weight version its calls may be generated with (the run's pacing)."""
+    calls: list[Record] = field(default_factory=list)
+    gen_s: float = 0.0
+    gen_batch: int = 0
+    tool_calls: int = 0
+    malformed: int = 0
+    last: Last | None = None
+    busy: int = 0
+    """Calls in flight."""
+    waited: float = 0.0
+    """Seconds with a call in flight, up to the last one that ended."""
+    busy_since: float = 0.0
+
+    def own_s(self, since: float) -> float:
+        """Seconds since `since` (time.monotonic) with no call of this session in flight."""
+        now = time.monotonic()
+        return now - since - self.waited - (now - self.busy_since if self.busy else 0.0)
+
+    def record(self, prompt: list[int], out: Generated, parsed: int = 0, malformed: int = 0) -> None:
+        self.calls.append(Record(prompt, out.ids, out.logprobs, out.version[0]))
+        self.gen_s += out.gen_s
+        self.gen_batch = out.gen_batch
+        self.tool_calls += parsed
+        self.malformed += malformed
+
+
+class Model(Protocol):
+    async def complete(self, ids: list[int], sampling: dict[str, Any], session: Session) -> Generated:
+        """Inference's answer to the prompt `ids` sampled as asked (temperature, top_p, max_tokens, seed)."""
+        ...
+
+
+class Endpoint:
+    def __init__(self, renderer: Renderer, model: Model, *, names: tuple[str, ...], budget: int, max_new: int,
+                 call_timeout_s: float, secret: str | None = None) -> None:  # fmt: skip
+        """`budget`: the longest sequence (prompt and answer); `max_new`: the longest answer; `secret`:
+        required as the bearer token (None: open, on loopback)."""
+        self.renderer, self.model, self.names = renderer, model, names
+        self.budget, self.max_new, self.call_timeout_s, self.secret = budget, max_new, call_timeout_s, secret
+        self.sessions: dict[str, Session] = {}
+        """The sessions of the programs the service runs, by key: their calls are recorded."""
+        self.loose: OrderedDict[str, Session] = OrderedDict()
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+        """Why requests failed, the first ones since the service last logged them."""
+        self.numbers = itertools.count()
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        routes = []
+        for prefix in ("", "/s/{session}"):
+            routes += [
+                Route(f"{prefix}/v1/models", self.guard(self.models), methods=["GET"]),
+                Route(f"{prefix}/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
+                Route(f"{prefix}/inference/v1/generate", self.guard(self.generate), methods=["POST"]),
+            ]
+        return Starlette(routes=routes)
+
+    def guard(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+        """The handler behind the secret, with every ApiError as an OpenAI error body and any other
+        failure counted as a 500 (the caller gets the reason; the service logs the first ones)."""
+        from starlette.responses import JSONResponse
+
+        async def endpoint(request: Any) -> Any:
+            self.counts["requests"] += 1
+            try:
+                if self.secret and request.headers.get("authorization") != f"Bearer {self.secret}":
+                    raise ApiError(401, "a bearer token is required: the run's secret (the SDK's api_key)")
+                return await handler(request)
+            except ApiError as e:
+                self.failed(e.status, f"{request.method} {request.url.path}: {e.status} {e.message}")
+                return JSONResponse(e.body(), status_code=e.status)
+            except Exception as e:  # a bug of ours: a 500 with the reason
+                self.failed(500, f"{request.method} {request.url.path}: 500 {type(e).__name__}: {e}")
+                return JSONResponse(
+                    ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), 500
+                )
+
+        return endpoint
+
+    def failed(self, status: int, why: str) -> None:
+        self.counts[f"http_{status}"] += 1
+        if len(self.errors) < 20:  # the service logs them (and empties the list) with its counts
+            self.errors.append(why)
+
+    async def models(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        card = {"object": "model", "owned_by": "meshrl", "max_model_len": self.budget}
+        return JSONResponse({"object": "list", "data": [{"id": n, **card} for n in self.names]})
+
+    def session(self, key: str | None) -> Session:
+        """The session of `key` (a program's the service runs; a caller's own, remembered for joining;
+        none: a session of one call)."""
+        if key is None:
+            return Session("")
+        if key in self.sessions:
+            return self.sessions[key]
+        found = self.loose.pop(key, None) or Session(key)
+        self.loose[key] = found
+        while len(self.loose) > LOOSE_SESSIONS:
+            self.loose.popitem(last=False)
+        return found
+
+    async def chat(self, request: Any) -> Any:
+        call = chat.chat_call(await request.body())
+        session = self.checked(request, call)
+        ids = self.prompt(session, call)
+        out = await self.complete(ids, call, session)
+        parser = self.renderer.parser.knowing([t["function"]["name"] for t in call.tools or []])
+        message, parsed, malformed = chat.assistant_message(self.renderer.decode(out.ids), call, parser)
+        session.last = Last(call.messages, call.tools, ids + out.ids, chat.normalized(message))
+        if session.key in self.sessions:
+            session.record(ids, out, parsed, malformed)
+        extra = self.extra(session, out)
+        if call.stream:
+            return _stream(chat.chat_chunks(call, message, out, ids, extra))
+        return _json(chat.chat_completion(call, message, out, ids, extra, self.renderer.tokenizer))
+
+    async def generate(self, request: Any) -> Any:
+        call = chat.generate_call(await request.body(), len(self.renderer.tokenizer))
+        session = self.checked(request, call)
+        assert call.token_ids is not None
+        out = await self.complete(call.token_ids, call, session)
+        if session.key in self.sessions:
+            session.record(call.token_ids, out)
+        return _json(chat.generate_response(out, call.token_ids, self.extra(session, out)))
+
+    def checked(self, request: Any, call: Call) -> Session:
+        if call.model not in self.names:
+            raise ApiError(
+                404, f"model {call.model!r} is not served here (served: {self.names[0]!r})", param="model"
+            )
+        return self.session(
+            request.path_params.get("session") or request.headers.get("x-session-id") or call.session
+        )
+
+    def prompt(self, session: Session, call: Call) -> list[int]:
+        """The call's prompt: joined to the session's last call when it sends back that history, else
+        rendered whole."""
+        last, msgs = session.last, call.messages
+        ids = None
+        if last is not None and call.tools == last.tools:
+            n = len(last.messages)
+            if len(msgs) >= n + 2 and msgs[:n] == last.messages and _same_reply(msgs[n], last.reply):
+                ids = self.renderer.extend(last.ids, msgs[: n + 1], msgs[n + 1 :], call.tools)
+        self.counts["joined" if ids is not None else "rendered"] += 1
+        if ids is not None:
+            return ids
+        try:
+            return self.renderer.prompt(msgs, call.tools)
+        except Exception as e:  # the chat template refused the messages
+            raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
+
+    async def complete(self, ids: list[int], call: Call, session: Session) -> Generated:
+        """Inference's answer, cut at the caller's stops; the session's clock stops while it waits."""
+        max_new = min(call.sampling.get("max_tokens", self.max_new), self.max_new)
+        if len(ids) + max_new > self.budget:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; with an answer of {max_new} this endpoint takes "
+                                f"at most {self.budget - max_new} (agents.max_tokens, or the model's context)",
+                           param="messages")  # fmt: skip
+        if session.busy == 0:
+            session.busy_since = time.monotonic()
+        session.busy += 1
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                out = await self.model.complete(ids, {**call.sampling, "max_tokens": max_new}, session)
+        except TimeoutError:
+            raise ApiError(
+                504, f"no answer within {self.call_timeout_s:g}s (agents.call_timeout_s)", kind="timeout"
+            ) from None
+        finally:
+            session.busy -= 1
+            if session.busy == 0:
+                session.waited += time.monotonic() - session.busy_since
+        self.counts["answered"] += 1
+        return chat.cut(self.renderer.tokenizer, call, self.renderer.stop, out, max_new)
+
+    def extra(self, session: Session, out: Generated) -> dict[str, Any]:
+        """The extra fields of an answer: what a trainer needs of the call."""
+        return {"call": f"{session.key or 'call'}.{next(self.numbers)}", "session": session.key or None,
+                "weight_version": list(out.version), "completion_logprobs": out.logprobs,
+                "waited_s": round(out.waited_s, 6)}  # fmt: skip
+
+
+def _same_reply(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
+    """Whether the program sent back the answer it was given (text and tool calls)."""
+
+    def calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
+
+    return (
+        sent.get("role") == "assistant"
+        and (sent.get("content") or "").strip() == (answered.get("content") or "").strip()
+        and calls(sent) == calls(answered)
+    )
+
+
+def _json(body: dict[str, Any]) -> Any:
+    from starlette.responses import Response
+
+    return Response(json.dumps(body), media_type="application/json")
+
+
+def _stream(chunks: list[dict[str, Any]]) -> Any:
+    from starlette.responses import StreamingResponse
+
+    async def events() -> AsyncIterator[str]:
+        for c in chunks:
+            yield f"data: {json.dumps(c)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
