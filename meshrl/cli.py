@@ -13,6 +13,7 @@ commands:
   models NAME [--out DIR]                    a real pretrained model as an HF folder (smollm2-135m)
   eval RECIPE [--model PATH] [key=value ...]  held-out accuracy, pass@k, reward per function (JSON)
   sft --model PATH --data ROWS --out PATH    supervised fine-tuning on chat or prompt/completion rows
+      [section.field=value ...]              the trainer's sections: optim.lr=3e-3 lora.rank=8
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   dashboard [RUN_DIR] [--host H] [--port P]  a run's charts, services and samples in the browser
   queue serve [...]                          run the data plane's controller / storage server

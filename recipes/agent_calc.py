@@ -3,7 +3,7 @@ multi-turn trajectories, synchronous (lock-step).
 
     python -m meshrl.tasks.agent_calc --out runs/agent_calc_demos.jsonl     # make run builds runs/arith-base
     meshrl sft --model runs/arith-base --data runs/agent_calc_demos.jsonl --out runs/agent-calc-sft \
-      --steps 300 --batch 32 --micro-batch 32 --lr 3e-3 --warmup 20 --schedule linear
+      --steps 300 --batch 32 memory.micro_batch=32 optim.lr=3e-3 optim.warmup_steps=20 optim.schedule=linear
     meshrl run recipes/agent_calc.py *.model=runs/agent-calc-sft
 
 Four services: rollout feeds trajectory starts and scores whole trajectories (the environment's

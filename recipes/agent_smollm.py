@@ -2,7 +2,8 @@
 
     meshrl models smollm2-135m                                               # the model (once)
     python -m meshrl.tasks.calculator --out runs/calculator_demos.jsonl      # demonstrations
-    meshrl sft --model runs/smollm2-135m --data runs/calculator_demos.jsonl --out runs/smollm2-calculator
+    meshrl sft --model runs/smollm2-135m --data runs/calculator_demos.jsonl --out runs/smollm2-calculator \
+      --steps 12 optim.lr=5e-5                                               # the warm start
     meshrl eval recipes/agent_smollm.py                                      # held-out, before RL
     meshrl run recipes/agent_smollm.py                                       # RL
     meshrl eval recipes/agent_smollm.py --model runs/agent_smollm            # and after

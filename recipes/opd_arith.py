@@ -2,7 +2,8 @@
 of the student's own samples.
 
     make run                                                          # runs/arith-base, runs/arith-sft
-    meshrl sft --model runs/arith-base --out runs/arith-teacher --steps 200   # the teacher (~95%)
+    meshrl sft --model runs/arith-base --data runs/arith-sft.jsonl --out runs/arith-teacher --steps 200 \
+      --batch 40 --eval-fraction 0 memory.micro_batch=40 optim.lr=3e-3 optim.warmup_steps=10   # ~100%
     meshrl run recipes/opd_arith.py
 
 recipes/grpo_arith.py plus one service: the teacher (a frozen model, here the tiny model after a longer

@@ -1,6 +1,7 @@
 """On-policy distillation with inference, teacher and trainer taking turns on one device slot.
 
-    meshrl sft --model runs/arith-base --out runs/arith-teacher --steps 200   # the teacher, once
+    meshrl sft --model runs/arith-base --data runs/arith-sft.jsonl --out runs/arith-teacher --steps 200 \
+      --batch 40 --eval-fraction 0 memory.micro_batch=40 optim.lr=3e-3 optim.warmup_steps=10   # once
     meshrl run recipes/opd_arith_colocated.py *.model=runs/arith-sft teacher.model=runs/arith-teacher
 
 recipes/opd_arith.py plus one colocation ring: inference is the FALLBACK member (it holds the slot

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 SFT_STEPS = 52
-SFT_ARGS = ("--batch", "40", "--micro-batch", "40", "--lr", "3e-3", "--warmup", "10", "--eval-fraction", "0")
+SFT_ARGS = ("--batch", "40", "--eval-fraction", "0", "memory.micro_batch=40", "optim.lr=3e-3",
+            "optim.warmup_steps=10", "optim.schedule=cosine")  # fmt: skip
 """The warm start's settings: two steps an epoch over the 80 train problems, a high learning rate (a
 ~1M-parameter model), cosine decay to 0 at the last step; every problem trained on (the run's held-out
 problems are what measure it)."""
@@ -28,7 +29,7 @@ def warm_start(base: Path, out: Path, steps: int = SFT_STEPS, *, seed: int = 0, 
     `<out>.jsonl`), saved to `out`; its figures. The caller's torch threads are left as they were."""
     import torch
 
-    from meshrl.commands.sft import parser, train
+    from meshrl.commands.sft import load, train
     from meshrl.tasks import arith, write_jsonl
 
     data = out.parent / f"{out.name}.jsonl"
@@ -37,7 +38,7 @@ def warm_start(base: Path, out: Path, steps: int = SFT_STEPS, *, seed: int = 0, 
     try:
         argv = ["--model", str(base), "--data", str(data), "--out", str(out), "--steps", str(steps),
                 "--seed", str(seed), "--threads", str(threads), *SFT_ARGS]  # fmt: skip
-        result = train(parser().parse_args(argv))
+        result = train(load(argv))
     finally:
         torch.set_num_threads(before)
     assert result is not None  # one rank

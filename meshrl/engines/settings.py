@@ -41,9 +41,11 @@ class OptimConfig(Config):
         if not self.lr > 0:
             yield f"lr: must be > 0, got {self.lr}"
         if self.warmup_steps < 0:
-            yield "warmup_steps: must be >= 0"
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            yield "weight_decay, grad_clip: must be >= 0"
+            yield f"warmup_steps: must be >= 0, got {self.warmup_steps}"
+        if self.weight_decay < 0:
+            yield f"weight_decay: must be >= 0, got {self.weight_decay}"
+        if self.grad_clip < 0:
+            yield f"grad_clip: must be >= 0 (0 disables clipping), got {self.grad_clip}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,9 +73,9 @@ class MemoryConfig(Config):
 
     def validate(self) -> Iterator[str]:
         if self.micro_batch < 1:
-            yield "micro_batch: must be >= 1"
+            yield f"micro_batch: must be >= 1, got {self.micro_batch}"
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            yield "max_tokens_per_micro_batch: must be >= 1 (or None: micro_batch rows)"
+            yield f"max_tokens_per_micro_batch: must be >= 1 (or None: micro_batch rows), got {self.max_tokens_per_micro_batch}"
         if self.logits_chunk < 0:
             yield "logits_chunk: must be >= 0 (0: whole logits)"
 
@@ -95,8 +97,12 @@ class LoraConfig(Config):
     <run_dir>/final/merged."""
 
     def validate(self) -> Iterator[str]:
-        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            yield "rank must be >= 0, alpha > 0 and dropout in [0, 1)"
+        if self.rank < 0:
+            yield f"rank: must be >= 0 (0: no adapters), got {self.rank}"
+        if not self.alpha > 0:
+            yield f"alpha: must be > 0, got {self.alpha}"
+        if not 0 <= self.dropout < 1:
+            yield f"dropout: must be in [0, 1), got {self.dropout}"
 
 
 @dataclass(frozen=True, kw_only=True)

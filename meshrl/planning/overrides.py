@@ -5,6 +5,9 @@
     trainer.devices_per_replica=2   critic.restart.mode=on-failure  a field of the group itself
     *.model=/path                                                 every group whose config has the field
 
+`meshrl sft` takes the trainer's sections by the same parser, addressed from the sections down
+(`optim.lr=3e-3`, `memory.precision=bf16-mixed`, `lora.rank=8`: meshrl/commands/sft_config.py).
+
 Each value is parsed as the field's type (Literal fields accept only their allowed values; tuples and
 lists take `a,b` or JSON) and the changed config checks itself again. Every bad override is reported,
 not only the first: `apply_overrides` applies the good ones and returns the problems of the others.
@@ -18,24 +21,27 @@ import json
 import types
 import typing
 from dataclasses import fields
-from typing import Any
+from typing import Any, TypeVar
 
 from meshrl.planning.config import RecipeError, literal_values
 from meshrl.planning.recipe import RECIPE_WIDE, Recipe
 
+C = TypeVar("C")
 
-def apply_overrides(recipe: Recipe, overrides: list[str]) -> tuple[Recipe, list[str]]:
-    """(the recipe with every valid override applied, the problems of the others)."""
+
+def apply_overrides(config: C, overrides: list[str]) -> tuple[C, list[str]]:
+    """(`config`, a recipe or any config dataclass, with every valid override applied, the problems of
+    the others)."""
     problems: list[str] = []
     for item in overrides:
         key, sep, value = item.partition("=")
         try:
             if not sep:
                 raise RecipeError([f"override {item!r}: expected key=value"])
-            recipe = _override(recipe, key.split("."), value, item)
+            config = _override(config, key.split("."), value, item)
         except RecipeError as e:
             problems += [p if p.startswith("override ") else f"override {item!r}: {p}" for p in e.problems]
-    return recipe, problems
+    return config, problems
 
 
 def _override(obj: Any, path: list[str], value: str, full: str) -> Any:

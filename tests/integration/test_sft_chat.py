@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshrl.cli import main as cli
 from meshrl.commands.chat_data import DataError, chat_tokens, conversation, encode, to_batch
+from meshrl.engines.settings import LoraConfig, OptimConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SUMS = [(a, b) for a in range(10) for b in range(10)]
@@ -124,7 +125,7 @@ def test_sft_on_chats_learns_and_saves_a_model(tiny_model: Path, tmp_path: Path)
     data = write(tmp_path / "chats.jsonl", chats(200))
     out = tmp_path / "sft"
     args = ["--model", str(tiny_model), "--data", str(data), "--out", str(out), "--steps", "150",
-            "--batch", "32", "--lr", "3e-3", "--eval-fraction", "0.1", "--eval-every", "50", "--threads", "1"]  # fmt: skip
+            "--batch", "32", "optim.lr=3e-3", "--eval-fraction", "0.1", "--eval-every", "50", "--threads", "1"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     r = subprocess.run([sys.executable, "-m", "meshrl.cli", "sft", *args], env=env, capture_output=True,
                        text=True, timeout=300)  # fmt: skip
@@ -191,17 +192,37 @@ def test_missing_model_and_bad_settings_are_errors(
     argv = ["--model", str(tiny_model), "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]
     assert run_cli(argv) == 2
     assert "none.jsonl: no such file or directory" in capsys.readouterr().err
-    argv = [
-        "--model",
-        str(tiny_model),
-        "--data",
-        str(data),
-        "--out",
-        "o",
-        "--batch",
-        "0",
-        "--eval-fraction",
-        "1",
-    ]
+    argv = ["--model", str(tiny_model), "--data", str(data), "--out", "o", "--batch", "0", "--eval-fraction", "1"]  # fmt: skip
     assert run_cli(argv) == 2
-    assert "--batch: must be >= 1; --eval-fraction: must be in [0, 1)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: --batch: must be >= 1\nmeshrl sft: error: --eval-fraction: must be in [0, 1)" in err
+
+
+def test_lora_and_packing_reach_the_engine(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sections set on the command line are what the engine is built with and trains by: adapters of
+    lora.rank (saved with the merged model), micro-batches packed by memory.max_tokens_per_micro_batch."""
+    from meshrl.commands import sft
+    from meshrl.engines import fsdp
+
+    engines, packed = [], []
+    build, pack = sft.build_engine, fsdp.token_micro_batches
+    monkeypatch.setattr(sft, "build_engine", lambda *a: engines.append(build(*a)) or engines[-1])
+    monkeypatch.setattr(fsdp, "token_micro_batches", lambda *a: packed.append(a[1]) or pack(*a))
+    data, out = write(tmp_path / "chats.jsonl", chats(16)), tmp_path / "lora"
+    argv = ["--model", str(tiny_model), "--data", str(data), "--out", str(out), "--steps", "2", "--batch", "8",
+            "--eval-fraction", "0", "optim.lr=1e-3", "lora.rank=4", "lora.alpha=8",
+            "memory.max_tokens_per_micro_batch=64", "optim.schedule=constant"]  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        result = sft.train(sft.load(argv))
+    finally:
+        torch.set_num_threads(threads)
+    (engine,) = engines
+    assert engine.lora == LoraConfig(rank=4, alpha=8.0, save_merged=True)
+    assert engine.memory.max_tokens_per_micro_batch == 64 and engine.memory.precision == "fp32"
+    assert engine.optim_cfg == OptimConfig(lr=1e-3, schedule="constant", warmup_steps=1)  # 3% of 2 steps
+    assert packed and set(packed) == {64}
+    assert result is not None and result["model"] == str(out / "merged") and result["steps"] == 2
+    assert (out / "adapter_config.json").is_file() and (out / "merged" / "config.json").is_file()

@@ -23,7 +23,7 @@ def warm(base: Path, out: Path, steps: int, tool_fraction: float) -> Path:
     """`meshrl sft` of `base` on one pass of demonstrations (32 a step), as the README's warm start."""
     import torch
 
-    from meshrl.commands.sft import parser, train
+    from meshrl.commands.sft import load, train
     from meshrl.tasks import write_jsonl
     from meshrl.tasks.agent_calc import demonstrations
 
@@ -31,14 +31,14 @@ def warm(base: Path, out: Path, steps: int, tool_fraction: float) -> Path:
     write_jsonl(data, demonstrations(steps * 32, tool_fraction, 2))
     threads = torch.get_num_threads()
     try:
-        train(parser().parse_args([*SFT_ARGS, "--model", str(base), "--data", str(data), "--out", str(out),
-                                   "--steps", str(steps), "--threads", "1"]))  # fmt: skip
+        train(load([*SFT_ARGS, "--model", str(base), "--data", str(data), "--out", str(out),
+                    "--steps", str(steps), "--threads", "1"]))  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     return out
 
 
-SFT_ARGS = ["--batch", "32", "--micro-batch", "32", "--lr", "3e-3", "--warmup", "20", "--schedule", "linear"]
+SFT_ARGS = ["--batch", "32", "memory.micro_batch=32", "optim.lr=3e-3", "optim.warmup_steps=20", "optim.schedule=linear"]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
