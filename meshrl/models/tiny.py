@@ -28,6 +28,11 @@ checkpoint loads this tokenizer exactly as saved.
 The chat template renders ``<|user|>{content}`` for user messages and ``<|assistant|>{content}<eos>``
 for assistant messages; ``add_generation_prompt`` appends ``<|assistant|>``. Other roles are an error.
 The tokenizer pads on the left, as batched generation needs.
+
+``reasoning=True`` makes the tokenizer of a reasoning model: two more special tokens, ``<think>`` (52) and
+``</think>`` (53), and a template that behaves as Qwen3's does: it renders tool results (role ``tool``)
+as ``<|user|>`` turns that are not queries, and drops the reasoning (up to ``</think>``) of every
+assistant turn before the last user query when a conversation is rendered again.
 """
 
 from __future__ import annotations
@@ -71,6 +76,23 @@ CHAT_TEMPLATE = (
 )
 
 
+THINK, END_THINK = "<think>", "</think>"
+REASONING_TEMPLATE = (
+    "{% set ns = namespace(query=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.query = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' or m['role'] == 'tool' %}<|user|>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{% set c = m['content'] %}"
+    "{% if '</think>' in c and loop.index0 < ns.query %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+    "<|assistant|>{{ c }}<eos>"
+    "{% elif m['role'] == 'system' %}{{ m['content'] }} "
+    "{% else %}{{ raise_exception('the tiny chat template knows only system, user, tool and assistant roles') }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""A reasoning model's template, Qwen3's behaviour in the tiny model's format (see the module docstring)."""
+
+
 def vocabulary(size: int | None = None) -> dict[str, int]:
     """Token -> id: special tokens first, then `CHARACTERS` in order, each in byte-level form; with `size`,
     filler tokens ``w<id>`` up to that many (see `build_tokenizer`)."""
@@ -79,13 +101,17 @@ def vocabulary(size: int | None = None) -> dict[str, int]:
     return vocab | {f"w{i}": i for i in range(len(vocab), size or 0)}
 
 
-def build_tokenizer(size: int | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(size: int | None = None, *, reasoning: bool = False) -> PreTrainedTokenizerFast:
     """The character-level tokenizer (see the module docstring for its vocabulary and template).
 
     `size`: the vocabulary padded with filler tokens ``w<id>`` to that many, for a random-init model of a
     real model's vocabulary (benchmarks/gpu_check.py): every id it samples then decodes to some text.
-    Encoding never produces a filler (text is cut into single characters first)."""
-    core = Tokenizer(models.WordLevel(vocab=vocabulary(size), unk_token=UNK_FALLBACK))
+    Encoding never produces a filler (text is cut into single characters first). `reasoning`: a
+    reasoning model's tokenizer and template."""
+    vocab = vocabulary(size)
+    if reasoning:
+        vocab = {**vocab, THINK: len(vocab), END_THINK: len(vocab) + 1}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_FALLBACK))
     # Special tokens are matched first; the rest is cut into single characters, each then spelled as
     # its bytes (an unsupported character thus becomes one unknown pre-token, one `?`).
     core.pre_tokenizer = pre_tokenizers.Sequence(
@@ -95,17 +121,18 @@ def build_tokenizer(size: int | None = None) -> PreTrainedTokenizerFast:
         ]
     )
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(list(SPECIAL_TOKENS))
+    specials = [*SPECIAL_TOKENS, *((THINK, END_THINK) if reasoning else ())]
+    core.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
         eos_token=EOS,
-        additional_special_tokens=[USER, ASSISTANT],
+        additional_special_tokens=specials[2:],
         clean_up_tokenization_spaces=False,
         padding_side="left",
         model_max_length=MAX_POSITIONS,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = REASONING_TEMPLATE if reasoning else CHAT_TEMPLATE
     return tok
 
 
@@ -127,11 +154,13 @@ def build_tiny_model(
     intermediate_size: int = 384,
     seed: int = 0,
     reward_model: bool = False,
+    reasoning: bool = False,
 ) -> Path:
     """Write a randomly initialised tiny model and its tokenizer to `path` and return `path`.
 
     reward_model=True writes a sequence-classification model with one label instead (what the
-    reward-model service loads), with the same backbone.
+    reward-model service loads), with the same backbone. reasoning=True: a reasoning model's tokenizer
+    and template (use arch="llama": a qwen2 checkpoint's tokenizer is rebuilt from its vocabulary).
 
     The weights depend only on the arguments: the same seed gives the same checkpoint. The caller's
     random number generators are left as they were.
@@ -139,7 +168,7 @@ def build_tiny_model(
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch: expected one of {sorted(ARCHITECTURES)}, got {arch!r}")
     config_class, model_class = ARCHITECTURES[arch]
-    tok = build_tokenizer()
+    tok = build_tokenizer(reasoning=reasoning)
     pad, eos = tok.pad_token_id, tok.eos_token_id
     cfg = config_class(
         vocab_size=len(tok),

@@ -136,15 +136,17 @@ def decode(body: bytes, kind: type[Any]) -> Any:
     """`body` as a `kind` request, or an ApiError naming what is wrong and where."""
     try:
         return msgspec.json.decode(body, type=kind)
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"the body is not JSON: {e}") from None
     except msgspec.ValidationError as e:
         text = str(e)
-        m = re.search(r"at `\$\.?(.*)`", text) or re.search(r"unknown field `(.*)`", text)
-        param = m.group(1) if m else None
-        if text.startswith("Object contains unknown field"):
+        at = re.search(r"at `\$\.?([^`]*)`", text)
+        param = at.group(1) if at else None
+        unknown = re.search(r"unknown field `([^`]*)`", text)
+        if unknown:
+            param = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
             text = f"unsupported field {param!r} (not silently ignored)"
         raise ApiError(400, HINTS.get(param or "", text), param=param) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the body is not JSON: {e}") from None
 
 
 @dataclass

@@ -1,15 +1,18 @@
-"""Agent programs trained through the endpoint (real processes, CPU, the tiny model): the `openai`
-client drives the endpoint; a session's calls become one sample (joined, or split into segments);
-programs that fail are counted and never trained; kills of the endpoint or the agents service lose
-and repeat nothing."""
+"""Agent programs trained through the agents service's endpoint (real processes, CPU, the tiny model): the
+`openai` client drives the endpoint; a session's calls become one sample (joined, or split into
+segments); programs that fail are counted and never trained; a killed agents replica loses and repeats
+nothing; `meshrl eval` plays a program recipe; the logs hold no line per request."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,14 +29,15 @@ SMALL = ["prompts_per_step=4", "group_size=4", "rollout.eval_every=0"]
 PROGRAMS = "tests.integration.agents.programs"
 
 
-def counts(run_dir: Path, service: str) -> dict:
-    """The counts a service logs at its end (`calls: {...}` / `agents: {...}`)."""
-    text = "".join(p.read_text() for p in (run_dir / "logs").glob(f"{service}-*.log"))
-    found = re.findall(rf"{'calls' if service == 'endpoint' else 'agents'}: (\{{.*?\}})", text)
+def counts(run_dir: Path, what: str = "agents") -> dict:
+    """The counts the agents service logs at its end: of trajectories (`agents: {...}`) or of its
+    endpoint's calls (`calls {...}`), summed over its processes (a restarted one logs its own)."""
+    text = "".join(p.read_text() for p in (run_dir / "logs").glob("agents-*.log"))
+    found = re.findall(r"agents: (\{.*?\}); \d+ trajectories.*?; calls (\{.*?\})", text)
     assert found, text[-2000:]
     total: dict = {}
-    for d in found:
-        for k, v in ast.literal_eval(d).items():
+    for line in found:
+        for k, v in ast.literal_eval(line[0 if what == "agents" else 1]).items():
             total[k] = total.get(k, 0) + v
     return total
 
@@ -41,7 +45,7 @@ def counts(run_dir: Path, service: str) -> dict:
 def endpoint_url(run_dir: Path, timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for log in (run_dir / "logs").glob("endpoint-*.log"):
+        for log in (run_dir / "logs").glob("agents-*.log"):
             m = re.search(r"serving (http://\S+/v1)", log.read_text())
             if m:
                 return m.group(1)
@@ -63,7 +67,7 @@ def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path
     run_dir, release = tmp_path / "run", tmp_path / "release"
     args = {"release": str(release)}
     proc = start(tmp_path, f"*.model={arith_model}", "total_steps=1", *SMALL, f"run_dir={run_dir}",
-                 f"agents.program={PROGRAMS}:hold", f"agents.program_args={json.dumps(args)}", recipe=RECIPE)  # fmt: skip
+                 f"agents.program={PROGRAMS}:hold", f"agents.args={json.dumps(args)}", recipe=RECIPE)  # fmt: skip
     try:
         url = endpoint_url(run_dir)
         client = openai.OpenAI(base_url=url, api_key="unused-on-loopback", max_retries=0)
@@ -118,14 +122,15 @@ def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
-    served = counts(run_dir, "endpoint")
+    served = counts(run_dir, "calls")
     assert served["http_400"] + served["http_404"] == bad
     put, deleted = calls_put_and_deleted(run_dir)
-    programs = counts(run_dir, "agents")["calls"]
+    programs = counts(run_dir)["turns"]
     assert put == good + programs == served["answered"], (put, good, programs, served)
-    assert (
-        deleted == put
-    )  # every call row is gone at the end: the test's (nobody's session) and the programs'
+    assert deleted == put  # every call row is gone at the end: the test's (nobody's session) and the programs'
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    # no line per request in any service's log (httpx's client lines, uvicorn's access lines): counts only
+    assert "HTTP Request:" not in log and "HTTP/1.1" not in log
 
 
 @pytest.mark.parametrize(
@@ -139,14 +144,14 @@ def test_every_task_trains_once_as_one_sample(
 ) -> None:
     steps, run_dir = 3, tmp_path / "run"
     r = run(tmp_path, f"*.model={arith_model}", f"total_steps={steps}", *SMALL, f"run_dir={run_dir}",
-            f"agents.program={program}", f"agents.program_args={json.dumps(args)}", recipe=RECIPE)  # fmt: skip
+            f"agents.program={program}", f"agents.args={json.dumps(args)}", recipe=RECIPE)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     batch = 4 * 4
     tally = account(run_dir / "ledger.jsonl")
     assert (tally.consumed, tally.pending, tally.duplicated) == (steps * batch, 0, 0), tally
-    done = counts(run_dir, "agents")
+    done = counts(run_dir)
     turns = args.get("turns", 1)
-    assert done.get("failed", 0) == 0 and done["calls"] >= turns * steps * batch
+    assert done.get("failed", 0) == 0 and done["turns"] >= turns * steps * batch
     assert (done.get("splits", 0) > 0) == splits, done
     put, deleted = calls_put_and_deleted(run_dir)
     assert deleted == put
@@ -168,29 +173,47 @@ def test_failing_programs_are_counted_and_never_trained(tmp_path: Path, arith_mo
             "rollout.eval_every=0", f"run_dir={run_dir}", f"agents.program={PROGRAMS}:flaky", "agents.timeout_s=10",
             "rollout.max_failed_fraction=0.5", recipe=RECIPE)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    done = counts(run_dir, "agents")
+    done = counts(run_dir)
     assert done["failed"] > 0 and done["finished"] >= steps * 32, done
     log = "".join(p.read_text() for p in (run_dir / "logs").glob("agents-*.log"))
-    assert "the agent broke on" in log and "timed out after 10s" in log and "not a reward" in log
+    assert "the agent broke on" in log and "timed out after 10s" in log and "not 'not a reward'" in log
     assert done["failed_raised"] and done["failed_timeout"] and done["failed_bad_reward"], done
 
 
-@pytest.mark.parametrize("victim", ["endpoint", "agents"])
-def test_a_killed_endpoint_or_agents_service_loses_and_repeats_nothing(
-    tmp_path: Path, arith_model: Path, victim: str
-) -> None:
-    """SIGKILLed three times at seeded random moments, the service restarts alone each time. Agents: the
-    programs it ran start again under new sessions. Endpoint: callers' connections drop and the SDK
-    retries; the answers its predecessor had asked for are marked undelivered and never trained. Either
-    way every task ends as exactly one sample, trained once, and every call row is deleted."""
+def test_a_killed_agents_service_loses_and_repeats_nothing(tmp_path: Path, arith_model: Path) -> None:
+    """SIGKILLed three times at seeded random moments, the agents service restarts alone each time: the
+    programs it ran start again under new sessions (the answers to their old calls are dropped as they
+    arrive), so every task ends as exactly one sample, trained once, and every call row is deleted."""
     steps, run_dir = 8, tmp_path / "run"
     proc = start(tmp_path, f"*.model={arith_model}", f"total_steps={steps}", *SMALL, f"run_dir={run_dir}",
-                 'agents.program_args={"turns": 2}', f"{victim}.restart.mode=on-failure",
-                 f"{victim}.restart.max_restarts=3", f"{victim}.restart.backoff_s=0.2", recipe=RECIPE)  # fmt: skip
-    kill_repeatedly(proc, run_dir, victim, random.Random(7), range(1, steps - 1), 3, within_s=0.3)
+                 'agents.args={"turns": 2}', "agents.restart.mode=on-failure", "agents.restart.max_restarts=3",
+                 "agents.restart.backoff_s=0.2", recipe=RECIPE)  # fmt: skip
+    kill_repeatedly(proc, run_dir, "agents", random.Random(7), range(1, steps - 1), 3, within_s=0.3)
     proc.wait(timeout=600)
     assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
     assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
-    assert [r["group"] for r in rows(run_dir / "restarts.jsonl")] == [victim] * 3
+    assert [r["group"] for r in rows(run_dir / "restarts.jsonl")] == ["agents"] * 3
     tally = account(run_dir / "ledger.jsonl")
     assert (tally.consumed, tally.pending, tally.duplicated) == (steps * 16, 0, 0), tally
+    put, deleted = calls_put_and_deleted(run_dir)
+    assert deleted == put
+
+
+def test_meshrl_eval_plays_a_program_recipe(tmp_path: Path, arith_model: Path) -> None:
+    """`meshrl eval` runs the recipe's program on each held-out row against the endpoint served by its own
+    engine, greedy and sampled as a run's evaluation; the same command gives the same figures."""
+
+    def meshrl_eval() -> dict:
+        r = subprocess.run([sys.executable, "-m", "meshrl.cli", "eval", RECIPE, "--model", str(arith_model),
+                            "rollout.eval_samples=2", 'agents.args={"turns": 2}'], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    result = meshrl_eval()
+    assert result["agent"] == "meshrl.tasks.arith.agent:solve" and result["prompts"] == 20
+    for label in ("greedy", "sampled"):
+        assert result[f"{label}/failed"] == 0 and result[f"{label}/turns_mean"] == 2, result
+    assert 0 <= result["greedy/env_correct"] <= 1 and result["greedy_reward"] == result["greedy/env_correct"], result
+    again = meshrl_eval()
+    assert {k: v for k, v in again.items() if k != "generate_s"} == {k: v for k, v in result.items() if k != "generate_s"}

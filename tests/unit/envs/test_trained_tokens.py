@@ -42,7 +42,7 @@ def played(tiny_model: Path) -> tuple[Any, list[list[int]], list[list[float]], A
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     engine = HFEngine(str(tiny_model))
-    renderer = Renderer(tok, tool_role="user")
+    renderer = Renderer(tok, PlainParser([]), tool_role="user")
     env = Echo()
     env.limits = Limits(max_turns=3, max_tokens=120, max_new_tokens=12)
     turns: list[list[int]] = []
@@ -52,15 +52,16 @@ def played(tiny_model: Path) -> tuple[Any, list[list[int]], list[list[float]], A
         out = await start(env, renderer, {})
         k = 0
         while not out.done:
-            (c,) = engine.generate([out.trajectory.ids], SamplingParams(max_new_tokens=12, seed=k))
+            (c,) = engine.generate([out.trajectory.tail], SamplingParams(max_new_tokens=12, seed=k))
             turns.append(c.tokens)
             logprobs.append(c.logprobs)
-            out = await advance(env, renderer, PlainParser([]), out, c.tokens, c.logprobs, k)
+            out = await advance(env, renderer, out, c.tokens, c.logprobs, k)
             k += 1
         return out
 
     out = asyncio.run(go())
-    return engine, turns, logprobs, {k: torch.tensor(v) for k, v in out.trajectory.sample().items()}
+    sample = out.trajectory.sample(tok.eos_token_id)
+    return engine, turns, logprobs, {k: torch.tensor(v) for k, v in sample.items()}
 
 
 def packed(sample: dict[str, torch.Tensor], advantage: torch.Tensor | Ragged | None = None) -> Any:
