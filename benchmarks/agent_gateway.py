@@ -20,7 +20,7 @@ calls joined into one sample afterwards).
 - segments_per_trajectory: sequences per trained sample (1.0: every call joined the one before).
 
 Measured here (2 shared CPU cores, the default 12 steps: 1536 trajectories each run, 1 m 27 s in all),
-with the simulated tool's 2.5 s timeout in both runs (meshrl/envs/sim.py): requests_per_s 209.5,
+with the simulated tool's 2.5 s timeout in both runs (meshrl/tasks/sim.py): requests_per_s 209.5,
 added_latency_ms_p50 16.6, p99 478, generation_busy 0.89 (the environment service's run: 0.935),
 ratio_vs_env_service 0.94 (41.5 against 44.0 trajectories/s), segments 1.0. Before that timeout the
 drain behind the slowest tool call dominated both runs (generation_busy 0.77 and 0.74, ratio 1.04).
@@ -44,7 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 ENV_RECIPE, PROGRAM_RECIPE = REPO / "recipes" / "agent_sim.py", REPO / "recipes" / "agent_program_sim.py"
 REPLICAS = 4
 
-AGENTS_LINE = re.compile(r"agents: (\{.*?\}); \d+ trajectories, \d+ turns, ([\d.]+) s from the first start to the last finish")
+AGENTS_LINE = re.compile(
+    r"agents: (\{.*?\}); \d+ trajectories, \d+ turns, ([\d.]+) s from the first start to the last finish"
+)
 GEN_LINE = re.compile(r"([\d.]+) s busy over ([\d.]+) s from the first batch")
 
 

@@ -95,7 +95,7 @@ def barrier(trajectories: int, seed: int = 0) -> float:
     from meshrl.engines.base import SamplingParams
     from meshrl.engines.settings import SimGeneration
     from meshrl.engines.sim import SimInferenceEngine
-    from meshrl.envs.sim import MAX_TURNS, MIN_TURNS, TOOL_TIMEOUT_S, tool_latency
+    from meshrl.tasks.sim import MAX_TURNS, MIN_TURNS, TOOL_TIMEOUT_S, tool_latency
 
     rng = random.Random(seed)
     engines = [

@@ -1,6 +1,6 @@
 """Simulated agent programs through the endpoint, for pipeline measurements: recipes/agent_sim.py's work
 (the same simulated engines, turn counts and tool latencies) done by an agent program that calls the
-model over HTTP (meshrl.envs.sim:sim_program) instead of an environment service.
+model over HTTP (meshrl.tasks.sim:sim_program) instead of an environment service.
 
     meshrl run recipes/agent_program_sim.py *.model=PATH   # PATH only provides a tokenizer and chat template
 
@@ -33,7 +33,7 @@ def recipe() -> Recipe:
                 # the simulated engine has no context limit: the model only lends its tokenizer
                 config=AgentsConfig(
                     model=MODEL,
-                    program="meshrl.envs.sim:sim_program",
+                    program="meshrl.tasks.sim:sim_program",
                     name="policy",
                     tool_role="user",
                     max_tokens=1_000_000,

@@ -3,7 +3,7 @@ the tools.
 
     meshrl run recipes/agent_sim.py *.model=PATH     # PATH only provides a tokenizer and chat template
 
-Each trajectory lasts 2-8 turns (meshrl/envs/sim.py); each tool call waits a lognormal time (median
+Each trajectory lasts 2-8 turns (meshrl/tasks/sim.py); each tool call waits a lognormal time (median
 50 ms, 99th percentile ~2 s) and times out at 2.5 s (`tool_timeout_s`). Four inference replicas generate lognormal-length turns (median 30
 tokens) at 1 ms per decoding step of a batch of up to 8; the trainer sleeps 1 us per token. Rollout
 starts trajectories without waiting for the trainer (window None). `benchmarks/agent_sim.py` runs it
@@ -11,12 +11,12 @@ and the same work as a global loop with a barrier per turn.
 """
 
 from meshrl.engines.settings import SimGeneration, SimTraining
-from meshrl.envs.sim import TOOL_TIMEOUT_S
 from meshrl.planning.recipe import Recipe, ServiceGroup
 from meshrl.roles.agents.config import AgentsConfig
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.trainer.config import TrainerConfig
+from meshrl.tasks.sim import TOOL_TIMEOUT_S
 
 MODEL = "runs/arith-base"
 
@@ -36,7 +36,7 @@ def recipe() -> Recipe:
                 id="agents",
                 config=AgentsConfig(
                     model=MODEL,
-                    environment="meshrl.envs.sim:SimToolEnv",
+                    environment="meshrl.tasks.sim:SimToolEnv",
                     parser="plain",
                     tool_role="user",
                     max_turns=8,

@@ -1,14 +1,15 @@
 """Data for supervised fine-tuning (`meshrl sft`), read strictly, with a loss mask on what the model
 should learn to write. A row is one of:
 
-- a conversation: OpenAI-style `messages` (and optional `tools`), rendered with the model's chat
-  template; the mask covers the assistant messages' tokens;
+- a conversation: OpenAI-style `messages` (and optional `tools`), rendered as an agent's messages are
+  (meshrl/envs/render.py: the chat template; tools, calls and results in the Hermes format where the
+  template has no tools section); the mask covers the assistant messages' tokens;
 - a prompt and a completion, both text: the prompt's tokens as rollout encodes a text prompt without
   the chat template (the tokenizer's own special tokens included), then the completion's and EOS; the
   mask covers the completion and EOS (a base model's warm start, `meshrl.tasks.arith`);
 - a prompt and a completion, both lists of messages: the conversation `prompt + completion`.
 
-The loss mask is RL's notion (meshrl/envs/sessions.py): one 0/1 per token, 1 on the tokens the model
+The loss mask is RL's notion (meshrl/envs/trajectory.py): one 0/1 per token, 1 on the tokens the model
 itself should produce. Few chat templates mark the assistant's text (`{% generation %}`), so it is found
 by rendering: for each assistant message, the conversation before it (with and without the generation
 prompt) and up to its end. The tokens the message adds, after the generation prompt (the role header
@@ -23,6 +24,7 @@ naming the row: supervised data is small and curated, and a silently dropped row
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ import torch
 
 from meshrl.dataplane.batch import Ragged
 from meshrl.engines.packing import TrainBatch, pack
+from meshrl.envs.parsers import HermesParser
+from meshrl.envs.render import Renderer
 
 Message = dict[str, Any]
 
@@ -144,16 +148,19 @@ def conversation(row: Any, where: str) -> Conversation:
     return Conversation(where, clean, tools or None)
 
 
+@functools.cache
+def renderer(tokenizer: Any) -> Renderer:
+    """The renderer agents use (meshrl/envs/render.py), so a conversation trains on the tokens an agent
+    sees: tools in the template's tools section, or, for a template without one, in the Hermes format
+    (the tool list in the system prompt, calls and results as text)."""
+    return Renderer(tokenizer, HermesParser())
+
+
 def render(
     tokenizer: Any, messages: Sequence[Message], tools: list[dict[str, Any]] | None, *, generation: bool
 ) -> list[int]:
     """Token ids of `messages` through the chat template (with the generation prompt or not)."""
-    kwargs = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=generation, tokenize=True, **kwargs
-    )
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    return [int(i) for i in ids]
+    return renderer(tokenizer).ids(messages, tools, generation=generation)
 
 
 def chat_tokens(tokenizer: Any, chat: Conversation) -> tuple[list[int], list[int]]:

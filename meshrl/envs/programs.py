@@ -72,7 +72,7 @@ class AgentRun:
 
         http = None
         if self.transport is not None:
-            http = httpx.Client(transport=_OnLoop(self.transport, asyncio.get_running_loop()), timeout=None)
+            http = httpx.Client(transport=_OnLoop(self.transport, asyncio.get_running_loop()), timeout=None)  # type: ignore[arg-type]
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, http_client=http,
                              max_retries=0 if self.transport else 8)  # fmt: skip
 
@@ -128,8 +128,8 @@ def skip_chat_transform() -> None:
     async def as_sent_async(data: Any, expected_type: Any) -> Any:
         return _plain(data, is_given)
 
-    completions.maybe_transform = as_sent  # type: ignore[attr-defined]
-    completions.async_maybe_transform = as_sent_async  # type: ignore[attr-defined]
+    completions.maybe_transform = as_sent
+    completions.async_maybe_transform = as_sent_async
 
 
 def _plain(data: Any, is_given: Callable[[Any], bool]) -> Any:

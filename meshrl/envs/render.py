@@ -45,7 +45,8 @@ class Renderer:
     ) -> None:
         self.tokenizer, self.parser = tokenizer, parser
         self.tool_role, self.keep_reasoning = tool_role, keep_reasoning
-        self.stop = int(tokenizer.eos_token_id)
+        eos = tokenizer.eos_token_id
+        self.stop = int(eos) if eos is not None else -1  # no EOS: only whole renderings (`meshrl sft`)
         self.renders_tools = "tools" in str(getattr(tokenizer, "chat_template", "") or "")
         self._after: dict[str, list[int]] = {}
         self.rewrites = any(self._probe(p, role) for p in _PROBES for role in ("user", "tool"))
@@ -125,8 +126,7 @@ class Renderer:
         text for the tool list, the calls and the results."""
         out = []
         for m in messages:
-            m = {k: v for k, v in m.items() if k in ("role", "content", "tool_calls", "name", "tool_call_id")}
-            m["content"] = m.get("content") or ""
+            m = {**m, "content": m.get("content") or ""}
             if not self.renders_tools and m.get("tool_calls"):
                 calls = "".join("\n" + self.parser.call_text(*_call(c)) for c in m.pop("tool_calls"))
                 m["content"] = (m["content"] + calls).strip("\n")

@@ -9,11 +9,12 @@ A good trajectory is two turns:
     tool       10865
     assistant  41 * 265 = 10865. Answer: 10865
 
-The system prompt shows the call (so any chat template works, one without a tools section too:
-SmolLM2's); it leaves out the tool's JSON schema, which would triple the prompt every step trains on. The reward has two
-named parts: `correct` (the final answer, after "Answer:", is the row's) and `format` (0.1 for ending
-with "Answer: N"). `python -m meshrl.tasks.calculator --out FILE` writes demonstrations for `meshrl sft`
-(recipes/agent_smollm.py: the warm start before RL).
+The tool reaches the model as any agent's tools do (meshrl/envs/render.py): SmolLM2's chat template has
+no tools section, so the system prompt gets the Hermes tool list and the tool's result comes in
+`<tool_response>` tags; the demonstrations carry the same tools, so `meshrl sft` renders them alike.
+The reward has two named parts: `correct` (the final answer, after "Answer:", is the row's) and `format`
+(0.1 for ending with "Answer: N"). `python -m meshrl.tasks.calculator --out FILE` writes demonstrations
+for `meshrl sft` (recipes/agent_smollm.py: the warm start before RL).
 """
 
 from __future__ import annotations
@@ -67,11 +68,8 @@ def _eval(node: ast.AST) -> int | float:
     raise ValueError("only numbers, + - * / and parentheses are allowed")
 
 
-SYSTEM = (
-    'You have a calculator. Call it with <tool_call>{"name": "calculator", "arguments": '
-    '{"expression": "41 * 265"}}</tool_call> and end with "Answer: " and the number.'
-)
-"""How to call the calculator, in the Hermes format (short: every token of it is trained on CPU)."""
+SYSTEM = 'Use the calculator for arithmetic, and end with "Answer: " and the number.'
+"""The task's instruction (how to call the tool is the Hermes tool list's, which follows it)."""
 
 
 def answer_of(text: str) -> str | None:
@@ -123,7 +121,7 @@ def demonstrations(n: int, tool_fraction: float, seed: int = 2) -> list[dict[str
                 {"role": "tool", "content": calculator.fn(expression)},
             ]
         messages.append({"role": "assistant", "content": f"{expression} = {answer}. Answer: {answer}"})
-        out.append({"messages": messages})
+        out.append({"messages": messages, "tools": [calculator.schema]})
     return out
 
 

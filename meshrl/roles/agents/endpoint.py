@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Call as Record
@@ -103,8 +104,8 @@ class Endpoint:
         self.numbers = itertools.count()
 
     def app(self) -> Any:
-        from starlette.applications import Starlette
-        from starlette.routing import Route
+        """The routes as an ASGI app (a bare router: `guard` answers every error, no middleware needed)."""
+        from starlette.routing import Route, Router
 
         routes = []
         for prefix in ("", "/s/{session}"):
@@ -113,7 +114,7 @@ class Endpoint:
                 Route(f"{prefix}/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
                 Route(f"{prefix}/inference/v1/generate", self.guard(self.generate), methods=["POST"]),
             ]
-        return Starlette(routes=routes)
+        return Router(routes=routes)
 
     def guard(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
         """The handler behind the secret, with every ApiError as an OpenAI error body and any other
@@ -258,15 +259,15 @@ def _same_reply(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
 def _json(body: dict[str, Any]) -> Any:
     from starlette.responses import Response
 
-    return Response(json.dumps(body), media_type="application/json")
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 def _stream(chunks: list[dict[str, Any]]) -> Any:
     from starlette.responses import StreamingResponse
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[bytes]:
         for c in chunks:
-            yield f"data: {json.dumps(c)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield b"data: " + msgspec.json.encode(c) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -75,15 +75,16 @@ class Environments:
     async def begin(self, batch: Batch, i: int) -> None:
         """A trajectory's start: reset, then its first call row (or, if reset failed, its sample)."""
         row = (batch.meta or [{}])[i] or {}
-        meta = {k: row.get(k) for k in CARRIED}
-        meta[TRAJ], meta[STARTED] = int(batch.ids[i]), time.time()
+        t0 = time.time()
+        meta: dict[str, Any] = {k: row.get(k) for k in CARRIED}
+        meta[TRAJ], meta[STARTED] = int(batch.ids[i]), t0
         ep = await start(self.env, self.service.renderer, json.loads(str(row.get(TASK) or "{}")))
-        times = {"gen_s": 0.0, "env_s": time.time() - meta[STARTED], "gen_batch": 0}
+        times = {"gen_s": 0.0, "env_s": time.time() - t0, "gen_batch": 0}
         await (self.over(ep, meta, times) if ep.done else self.write(ep, meta, times))
 
     async def turn(self, batch: Batch, i: int) -> None:
         """An answered call: the model's turn added, the environment stepped, the next call or the sample."""
-        meta = dict((batch.meta or [{}])[i] or {})
+        meta: dict[str, Any] = dict((batch.meta or [{}])[i] or {})
         ep = Episode.resume(
             trajectory_of(batch, i, json.loads(meta.pop(TRAJ_SHAPE))), json.loads(meta.pop(EPISODE))
         )

@@ -175,7 +175,7 @@ class Programs:
         s = self.service
         name = f"{self.nonce}.{next(self.numbers)}"
         answer = self.waiting[name] = asyncio.get_running_loop().create_future()
-        meta = {CALL: name, SESSION: session.key or None, MIN_VERSION: session.min_version, TO: s.ctx.replica.name,
+        meta: dict[str, Any] = {CALL: name, SESSION: session.key or None, MIN_VERSION: session.min_version, TO: s.ctx.replica.name,
                 SAMPLING: json.dumps(sampling)}  # fmt: skip
         t0 = time.perf_counter()
         try:

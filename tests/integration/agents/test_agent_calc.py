@@ -1,5 +1,5 @@
-"""Multi-turn agents end to end (real processes, CPU): the calculator-tool task learns, and SIGKILLs of
-the environment service or the inference replica mid-run lose and repeat no trajectory."""
+"""Environments end to end (real processes, CPU): the calculator-tool task learns, and SIGKILLs of the
+agents service or the inference replica mid-run lose and repeat no trajectory."""
 
 from __future__ import annotations
 
@@ -76,15 +76,15 @@ def test_agent_calc_learns(tmp_path: Path, calc_model: Path, recipe: str) -> Non
     )
 
 
-@pytest.mark.parametrize("victim", ["env", "inference"])
+@pytest.mark.parametrize("victim", ["agents", "inference"])
 def test_a_service_killed_mid_trajectory_loses_and_repeats_nothing(
     tmp_path: Path, format_model: Path, victim: str
 ) -> None:
-    """The environment service, or the inference replica, SIGKILLed three times at seeded random moments
-    restarts alone each time. Env: the trajectories it was stepping come back with their turn rows and
-    are stepped again. Inference: the turns it had claimed come back when its connection closes and
-    its successor generates them once it has the current weights. Either way every trajectory ends as
-    exactly one sample and is trained on exactly once."""
+    """The agents service, or the inference replica, SIGKILLed three times at seeded random moments
+    restarts alone each time. Agents: the trajectories it was stepping come back with their call rows
+    and are stepped again from their last turn. Inference: the turns it had claimed come back when its
+    connection closes and its successor generates them once it has the current weights. Either way every
+    trajectory ends as exactly one sample and is trained on exactly once."""
     steps = 8
     run_dir = tmp_path / "run"
     proc = start(tmp_path, f"*.model={format_model}", f"total_steps={steps}", f"{victim}.restart.mode=on-failure",
@@ -136,7 +136,8 @@ def test_a_run_resumed_from_its_checkpoint_mid_trajectories_loses_and_repeats_no
 
 def test_meshrl_eval_plays_the_held_out_trajectories(tmp_path: Path, format_model: Path) -> None:
     """`meshrl eval` on an environment recipe plays each held-out row as a run would (the recipe's
-    environment, limits, template and parser): the format model calls the tool and answers after it."""
+    environment, limits, template and tool-call format): the format model calls the tool and answers
+    after it."""
     import json
     import os
     import subprocess
@@ -150,7 +151,7 @@ def test_meshrl_eval_plays_the_held_out_trajectories(tmp_path: Path, format_mode
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     result = meshrl_eval()
-    assert result["prompts"] == 16 and result["environment"] == "meshrl.tasks.agent_calc:CalcEnv"
+    assert result["prompts"] == 16 and result["agent"] == "meshrl.tasks.agent_calc:CalcEnv"
     for label in ("greedy", "sampled"):
         assert 0 <= result[f"{label}_reward"] <= 1 and result[f"{label}/failed"] == 0, result
         assert 1 <= result[f"{label}/turns_mean"] <= 3, result

@@ -127,7 +127,9 @@ def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path
     put, deleted = calls_put_and_deleted(run_dir)
     programs = counts(run_dir)["turns"]
     assert put == good + programs == served["answered"], (put, good, programs, served)
-    assert deleted == put  # every call row is gone at the end: the test's (nobody's session) and the programs'
+    assert (
+        deleted == put
+    )  # every call row is gone at the end: the test's (nobody's session) and the programs'
     log = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
     # no line per request in any service's log (httpx's client lines, uvicorn's access lines): counts only
     assert "HTTP Request:" not in log and "HTTP/1.1" not in log
@@ -214,6 +216,10 @@ def test_meshrl_eval_plays_a_program_recipe(tmp_path: Path, arith_model: Path) -
     assert result["agent"] == "meshrl.tasks.arith.agent:solve" and result["prompts"] == 20
     for label in ("greedy", "sampled"):
         assert result[f"{label}/failed"] == 0 and result[f"{label}/turns_mean"] == 2, result
-    assert 0 <= result["greedy/env_correct"] <= 1 and result["greedy_reward"] == result["greedy/env_correct"], result
+    assert (
+        0 <= result["greedy/env_correct"] <= 1 and result["greedy_reward"] == result["greedy/env_correct"]
+    ), result
     again = meshrl_eval()
-    assert {k: v for k, v in again.items() if k != "generate_s"} == {k: v for k, v in result.items() if k != "generate_s"}
+    assert {k: v for k, v in again.items() if k != "generate_s"} == {
+        k: v for k, v in result.items() if k != "generate_s"
+    }

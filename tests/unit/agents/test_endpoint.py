@@ -45,12 +45,16 @@ def served(tok: Any, answers: list[str], *, parser: Any = None, keep_reasoning: 
     model = Scripted(tok, answers, wait_s)
     role = "tool" if "'tool'" in str(tok.chat_template) else "user"
     renderer = Renderer(tok, parser or PlainParser([]), tool_role=role, keep_reasoning=keep_reasoning)
-    return Endpoint(renderer, model, names=("policy",), budget=budget, max_new=max_new, call_timeout_s=5.0), model
+    return Endpoint(
+        renderer, model, names=("policy",), budget=budget, max_new=max_new, call_timeout_s=5.0
+    ), model
 
 
 def client(endpoint: Endpoint, session: str = "s") -> openai.AsyncOpenAI:
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=endpoint.app()))
-    return openai.AsyncOpenAI(base_url=f"http://test/s/{session}/v1", api_key="k", http_client=http, max_retries=0)
+    return openai.AsyncOpenAI(
+        base_url=f"http://test/s/{session}/v1", api_key="k", http_client=http, max_retries=0
+    )
 
 
 def run(coroutine: Any) -> Any:
@@ -75,9 +79,15 @@ def test_a_session_that_sends_back_its_history_joins_the_tokens_generated(tok: A
         c = client(endpoint)
         messages = [{"role": "user", "content": "1+2="}]
         a = await c.chat.completions.create(model="policy", messages=messages)
-        messages += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "2+2="}]
+        messages += [
+            {"role": "assistant", "content": a.choices[0].message.content},
+            {"role": "user", "content": "2+2="},
+        ]
         b = await c.chat.completions.create(model="policy", messages=messages)
-        assert b.model_extra["prompt_token_ids"][: len(model.prompts[0]) + 2] == model.prompts[0] + a.choices[0].model_extra["token_ids"]
+        assert (
+            b.model_extra["prompt_token_ids"][: len(model.prompts[0]) + 2]
+            == model.prompts[0] + a.choices[0].model_extra["token_ids"]
+        )
         messages[1] = {"role": "assistant", "content": "three"}  # an edited history: rendered whole
         await c.chat.completions.create(model="policy", messages=messages)
 
@@ -93,28 +103,33 @@ def test_a_session_that_sends_back_its_history_joins_the_tokens_generated(tok: A
     assert session.gen_s == pytest.approx(0.03) and session.gen_batch == 7
 
 
-def test_reasoning_dropped_by_the_template_splits_a_program_s_session_where_it_must(thinking: Any) -> None:
+@pytest.mark.parametrize(("keep", "splits"), [(False, 1), (True, 0)], ids=["template", "keep_reasoning"])
+def test_reasoning_dropped_by_the_template_splits_a_program_s_session_where_it_must(
+    thinking: Any, keep: bool, splits: int
+) -> None:
     """The answers think; sent back after a tool result the history is as generated (joined), after the
     user's next question the template drops the reasoning: that call starts a segment; with
     keep_reasoning it joins. Every answer is recorded exactly as generated."""
-    for keep, splits in ((False, 1), (True, 0)):
-        endpoint, model = served(thinking, ["<think>ab</think>c", "<think>d</think>e", "f"], keep_reasoning=keep)
-        session = endpoint.sessions["s"] = Session("s")
+    endpoint, model = served(thinking, ["<think>ab</think>c", "<think>d</think>e", "f"], keep_reasoning=keep)
+    session = endpoint.sessions["s"] = Session("s")
+    replies = [{"role": "tool", "content": "r", "tool_call_id": "1"}, {"role": "user", "content": "again"}]
 
-        async def program() -> None:
-            c = client(endpoint)
-            messages: list[dict[str, Any]] = [{"role": "user", "content": "q"}]
-            for reply in ({"role": "tool", "content": "r", "tool_call_id": "1"}, {"role": "user", "content": "again"}, None):
-                a = await c.chat.completions.create(model="policy", messages=messages)
-                if reply is not None:
-                    messages += [{"role": "assistant", "content": a.choices[0].message.content}, reply]
+    async def program() -> None:
+        c = client(endpoint)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "q"}]
+        for k in range(3):
+            a = await c.chat.completions.create(model="policy", messages=messages)
+            if k < 2:
+                messages += [{"role": "assistant", "content": a.choices[0].message.content}, replies[k]]
 
-        run(program())
-        t = join(session.calls)
-        assert (t.calls, t.splits) == (3, splits), keep
-        assert [thinking.decode(c.completion) for c in session.calls] == ["<think>ab</think>c<eos>", "<think>d</think>e<eos>", "f<eos>"]
-        last = thinking.decode(model.prompts[-1])
-        assert ("<think>" in last) == keep, last  # the model sees its earlier reasoning only when it is kept
+    run(program())
+    t = join(session.calls)
+    assert (t.calls, t.splits) == (3, splits)
+    assert [thinking.decode(c.completion) for c in session.calls] == [
+        "<think>ab</think>c<eos>", "<think>d</think>e<eos>", "f<eos>"
+    ]  # fmt: skip
+    last = thinking.decode(model.prompts[-1])
+    assert ("<think>" in last) == keep, last  # the model sees its earlier reasoning only when it is kept
 
 
 def test_tool_calls_are_parsed_and_counted(tok: Any) -> None:
@@ -126,7 +141,9 @@ def test_tool_calls_are_parsed_and_counted(tok: Any) -> None:
             return {"input_ids": [ord(c) for c in text]}
 
         def apply_chat_template(self, messages: Any, add_generation_prompt: bool, tokenize: bool) -> Any:
-            text = "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
+            text = "".join(f"[{m['role']}]{m['content']}" for m in messages) + (
+                "[assistant]" if add_generation_prompt else ""
+            )
             return [ord(c) for c in text] if tokenize else text
 
         def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -136,14 +153,24 @@ def test_tool_calls_are_parsed_and_counted(tok: Any) -> None:
             return 0x110000
 
     call = '<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>'
-    endpoint, _ = served(Chars(), [f"sure {call}", "<tool_call>{oops</tool_call>"], parser=HermesParser(), budget=4096, max_new=100)
+    endpoint, _ = served(
+        Chars(),
+        [f"sure {call}", "<tool_call>{oops</tool_call>"],
+        parser=HermesParser(),
+        budget=4096,
+        max_new=100,
+    )
     session = endpoint.sessions["s"] = Session("s")
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 
     async def program() -> Any:
         c = client(endpoint)
-        a = await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], tools=tools)
-        b = await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "y"}], tools=tools)
+        a = await c.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], tools=tools
+        )
+        b = await c.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "y"}], tools=tools
+        )
         return a, b
 
     a, b = run(program())
@@ -159,12 +186,19 @@ def test_answers_are_cut_at_stop_strings(tok: Any) -> None:
 
     async def program() -> Any:
         c = client(endpoint)
-        a = await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], stop=[":"], logprobs=True)
-        b = await c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        a = await c.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], stop=[":"], logprobs=True
+        )
+        b = await c.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
         return a, b
 
     a, b = run(program())
-    assert a.choices[0].message.content == "ab" and a.choices[0].model_extra["token_ids"] == tok("ab:")["input_ids"]
+    assert (
+        a.choices[0].message.content == "ab"
+        and a.choices[0].model_extra["token_ids"] == tok("ab:")["input_ids"]
+    )
     assert len(a.choices[0].logprobs.content) == 3 and a.choices[0].finish_reason == "stop"
     assert b.choices[0].finish_reason == "length" and b.usage.completion_tokens == 2
 
@@ -178,7 +212,12 @@ def test_a_program_s_own_time_leaves_out_its_calls_in_flight(tok: Any) -> None:
 
         since = time.monotonic()
         c = client(endpoint)
-        await asyncio.gather(*(c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}]) for _ in range(2)))
+        await asyncio.gather(
+            *(
+                c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+                for _ in range(2)
+            )
+        )
         await asyncio.sleep(0.1)
         return session.own_s(since)
 
@@ -190,15 +229,47 @@ BAD = [
     (b"[]", None, "Expected `object`"),
     (b'{"messages": [{"role": "user", "content": "x"}]}', None, "missing required field `model`"),
     (b'{"model": "policy", "messages": []}', "messages", "length >= 1"),
-    (b'{"model": "policy", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role", "Invalid enum value 'robot'"),
+    (
+        b'{"model": "policy", "messages": [{"role": "robot", "content": "x"}]}',
+        "messages[0].role",
+        "Invalid enum value 'robot'",
+    ),
     (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 2}', "n", "n must be 1"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature", "<= 2.0"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', "max_tokens", ">= 1"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}', "tool_choice", "'auto' or 'none'"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}', "tools", "tools must be a list"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}', "frequency_penalty", "unsupported field"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}', "stop", "length <= 4"),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content[0].type", "Invalid value"),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "temperature": 9}',
+        "temperature",
+        "<= 2.0",
+    ),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+        "max_tokens",
+        ">= 1",
+    ),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+        "tool_choice",
+        "'auto' or 'none'",
+    ),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}',
+        "tools",
+        "tools must be a list",
+    ),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}',
+        "frequency_penalty",
+        "unsupported field",
+    ),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}',
+        "stop",
+        "length <= 4",
+    ),
+    (
+        b'{"model": "policy", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        "messages[0].content[0].type",
+        "Invalid value",
+    ),
 ]
 
 
@@ -211,9 +282,15 @@ def test_bad_chat_requests_are_4xx_naming_the_field(body: bytes, param: str | No
 
 
 def test_generate_requests(tok: Any) -> None:
-    call = chat.generate_call(b'{"model": "m", "token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "stop_token_ids": [5]}}', 10)
+    call = chat.generate_call(
+        b'{"model": "m", "token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "stop_token_ids": [5]}}',
+        10,
+    )
     assert call.token_ids == [1, 2] and call.sampling == {"max_tokens": 3} and call.stop_token_ids == [5]
-    for body, param in ((b'{"model": "m", "token_ids": [1, 99]}', "token_ids"), (b'{"model": "m", "token_ids": [1], "sampling_params": {"beam": 2}}', "sampling_params.beam")):
+    for body, param in (
+        (b'{"model": "m", "token_ids": [1, 99]}', "token_ids"),
+        (b'{"model": "m", "token_ids": [1], "sampling_params": {"beam": 2}}', "sampling_params.beam"),
+    ):
         with pytest.raises(ApiError) as e:
             chat.generate_call(body, 10)
         assert e.value.param == param

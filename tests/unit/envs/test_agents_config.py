@@ -41,7 +41,10 @@ def test_bad_fields_are_listed_at_once() -> None:
     [
         ("agents.environment=meshrl.tasks.agent_calc:calc", "is not a subclass of meshrl.envs.Environment"),
         ("agents.environment=meshrl.nope:Env", "environment: cannot import 'meshrl.nope'"),
-        ("agents.max_tokens=16", "max_tokens: a budget of 16 tokens leaves no room for a prompt beside a turn of 16"),
+        (
+            "agents.max_tokens=16",
+            "max_tokens: a budget of 16 tokens leaves no room for a prompt beside a turn of 16",
+        ),
         (
             'agents.args={"level": 3}',
             r"args: CalcEnv cannot take \{'level': 3\}: got an unexpected keyword argument 'level'",
@@ -55,7 +58,10 @@ def test_bad_fields_are_listed_at_once() -> None:
             r"OldLimits sets tool_timeout_s, which no longer configures an environment: it is the recipe's "
             r"agents.tool_timeout_s \(read it here as self.limits.tool_timeout_s\)",
         ),
-        ("inference.trainer=rollout", "inference'].config.trainer: 'rollout' is not a trainer of this recipe"),
+        (
+            "inference.trainer=rollout",
+            "inference'].config.trainer: 'rollout' is not a trainer of this recipe",
+        ),
     ],
 )
 def test_recipe_problems_name_the_field(tiny_model: Path, override: str, message: str) -> None:
@@ -65,7 +71,9 @@ def test_recipe_problems_name_the_field(tiny_model: Path, override: str, message
 
 def test_a_program_recipe_is_checked_too(tiny_model: Path) -> None:
     planned(tiny_model, recipe="agent_program.py")
-    with pytest.raises(RecipeError, match="program 'meshrl.tasks.arith.agent:nope': meshrl.tasks.arith.agent has no function"):
+    with pytest.raises(
+        RecipeError, match="program 'meshrl.tasks.arith.agent:nope': meshrl.tasks.arith.agent has no function"
+    ):
         planned(tiny_model, "agents.program=meshrl.tasks.arith.agent:nope", recipe="agent_program.py")
     with pytest.raises(RecipeError, match=r"args: meshrl.tasks.arith.agent:solve cannot take \{'laps': 2\}"):
         planned(tiny_model, 'agents.args={"laps": 2}', recipe="agent_program.py")
@@ -88,7 +96,9 @@ class Sized(Environment):
 
 
 def test_args_build_the_environment_and_limits_come_from_the_recipe(tiny_model: Path) -> None:
-    planned(tiny_model, "agents.environment=tests.unit.envs.test_agents_config:Sized", 'agents.args={"size": 3}')
+    planned(
+        tiny_model, "agents.environment=tests.unit.envs.test_agents_config:Sized", 'agents.args={"size": 3}'
+    )
     with pytest.raises(RecipeError, match="Sized cannot take \\{\\}: missing a required argument: 'size'"):
         planned(tiny_model, "agents.environment=tests.unit.envs.test_agents_config:Sized")
     cfg = AgentsConfig(model="m", environment="x:Sized", max_turns=3, tool_timeout_s=2.0, max_tokens=2048)
@@ -99,5 +109,7 @@ def test_args_build_the_environment_and_limits_come_from_the_recipe(tiny_model: 
 def test_env_reward_without_an_agents_group_says_what_to_add(tiny_model: Path) -> None:
     r = load_recipe(REPO / "recipes" / "agent_calc.py", [f"*.model={tiny_model}"])
     r = dataclasses.replace(r, groups=tuple(g for g in r.groups if g.id != "agents"))
-    with pytest.raises(RecipeError, match=r"reads samples.env_reward, which no service writes: add an agents group"):
+    with pytest.raises(
+        RecipeError, match=r"reads samples.env_reward, which no service writes: add an agents group"
+    ):
         plan(r, [Device(i, "localhost", i) for i in range(devices_needed(r))])

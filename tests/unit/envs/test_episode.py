@@ -13,9 +13,9 @@ from meshrl.envs import Environment, Limits, Message, State, Step, Turn, tool
 from meshrl.envs.episode import advance, start
 from meshrl.envs.parsers import PlainParser
 from meshrl.envs.render import Renderer
-from meshrl.envs.sim import wait
 from meshrl.models.tiny import build_tokenizer
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, SEGMENTS, TOKEN_VERSIONS
+from meshrl.tasks.sim import wait
 
 
 @tool

@@ -19,7 +19,16 @@ ANSWER = ChatCompletion.model_validate({
         "role": "assistant", "content": None,
         "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": '{"x": 1}'}}]}}],
 })  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "d", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "d",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+]
 REQUESTS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "hi"}]},
     {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}]}],
@@ -40,10 +49,14 @@ def sent() -> list[bytes]:
     def answer(request: httpx.Request) -> httpx.Response:
         bodies.append(request.content)
         if json.loads(request.content).get("stream"):
-            return httpx.Response(200, content=b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+            return httpx.Response(
+                200, content=b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"}
+            )
         return httpx.Response(200, json=ANSWER.model_dump())
 
-    client = openai.OpenAI(base_url="http://x/v1", api_key="k", http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    client = openai.OpenAI(
+        base_url="http://x/v1", api_key="k", http_client=httpx.Client(transport=httpx.MockTransport(answer))
+    )
     for r in REQUESTS:
         out = client.chat.completions.create(model="m", **r)
         if r.get("stream"):

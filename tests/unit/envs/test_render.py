@@ -38,10 +38,19 @@ def test_the_next_prompt_is_the_tokens_generated_then_the_reply(tok: Any) -> Non
     assert tok.decode(prompt) == "<|user|>1+2=<|assistant|>"
     generated = [*ids(tok, "3"), tok.eos_token_id]
     new = [{"role": "user", "content": "and 4+5="}]
-    assert chat.extend(prompt + generated, history, new, None) == [*prompt, *generated, *ids(tok, "<|user|>and 4+5=<|assistant|>")]
+    assert chat.extend(prompt + generated, history, new, None) == [
+        *prompt,
+        *generated,
+        *ids(tok, "<|user|>and 4+5=<|assistant|>"),
+    ]
     # a turn cut before its stop token is closed with it (masked: it is not the model's)
     cut = ids(tok, "33")
-    assert chat.extend(prompt + cut, history, new, None) == [*prompt, *cut, tok.eos_token_id, *ids(tok, "<|user|>and 4+5=<|assistant|>")]
+    assert chat.extend(prompt + cut, history, new, None) == [
+        *prompt,
+        *cut,
+        tok.eos_token_id,
+        *ids(tok, "<|user|>and 4+5=<|assistant|>"),
+    ]
     # only replies extend a conversation: anything else is rendered whole
     assert chat.extend(prompt + generated, history, [{"role": "assistant", "content": "x"}], None) is None
     assert not chat.rewrites
@@ -54,8 +63,12 @@ class Chars:
     eos_token_id = 0
     chat_template = "no tool section"
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool, tokenize: bool) -> Any:
-        text = "".join(f"[{m['role']}]{m['content']}" + ("\0" if m["role"] == "assistant" else "") for m in messages)
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool, tokenize: bool
+    ) -> Any:
+        text = "".join(
+            f"[{m['role']}]{m['content']}" + ("\0" if m["role"] == "assistant" else "") for m in messages
+        )
         text += "[assistant]" if add_generation_prompt else ""
         return [ord(c) for c in text] if tokenize else text
 
@@ -71,15 +84,24 @@ def test_a_template_without_tools_gets_the_format_s_text() -> None:
     hermes = Renderer(Chars(), HermesParser())
     messages = [
         {"role": "user", "content": "1+2"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "calc", "arguments": '{"x": "1+2"}'}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "calc", "arguments": '{"x": "1+2"}'}}],
+        },
         {"role": "tool", "content": "3"},
     ]
     rendered = text(hermes.prompt(messages, [TOOL]))
-    assert rendered.startswith("[system]# Tools") and '{"type": "function", "function": {"name": "calc"' in rendered
+    assert (
+        rendered.startswith("[system]# Tools")
+        and '{"type": "function", "function": {"name": "calc"' in rendered
+    )
     assert '[assistant]<tool_call>\n{"name": "calc", "arguments": {"x": "1+2"}}\n</tool_call>\0' in rendered
     assert rendered.endswith("[tool]<tool_response>\n3\n</tool_response>[assistant]")
     plain = text(Renderer(Chars(), PlainParser(["calc"]), tool_role="user").prompt(messages, [TOOL]))
-    assert plain == "[user]1+2[assistant]calc(1+2)\0[user]3[assistant]"  # no tool list: the model learned them
+    assert (
+        plain == "[user]1+2[assistant]calc(1+2)\0[user]3[assistant]"
+    )  # no tool list: the model learned them
 
 
 def test_a_reasoning_template_is_found_out(tok: Any, thinking: Any) -> None:
@@ -107,8 +129,8 @@ def played(tok: Any, keep_reasoning: bool) -> tuple[Any, list[list[int]]]:
     env = Talk()
     env.limits = Limits(max_turns=5, max_tokens=120, max_new_tokens=10)
     chat = Renderer(tok, PlainParser([]), keep_reasoning=keep_reasoning)
-    turns = [ids(tok, "<think>ab</think>c") + [tok.eos_token_id], ids(tok, "<think>d</think>e") + [tok.eos_token_id],
-             ids(tok, "f") + [tok.eos_token_id]]  # fmt: skip
+    turns = [[*ids(tok, "<think>ab</think>c"), tok.eos_token_id], [*ids(tok, "<think>d</think>e"), tok.eos_token_id],
+             [*ids(tok, "f"), tok.eos_token_id]]  # fmt: skip
 
     async def go() -> Any:
         ep = await start(env, chat, {})
@@ -141,7 +163,11 @@ def test_reasoning_dropped_by_the_template_starts_a_segment_where_it_must(thinki
     assert [lp for lp, m in zip(sample[LOGPROBS], sample[LOSS_MASK], strict=True) if m] == pytest.approx(
         [-0.1 * (k + 1) for k, turn in enumerate(turns) for _ in turn]
     )
-    assert sorted({v for v, m in zip(sample[TOKEN_VERSIONS], sample[LOSS_MASK], strict=True) if m}) == [0, 1, 2]
+    assert sorted({v for v, m in zip(sample[TOKEN_VERSIONS], sample[LOSS_MASK], strict=True) if m}) == [
+        0,
+        1,
+        2,
+    ]
     assert sample[SEGMENTS] == [first, second] and first + second == len(sample[PROMPT]) + len(response)
 
 
@@ -153,4 +179,6 @@ def test_keep_reasoning_keeps_the_tokens_as_generated(thinking: Any) -> None:
         "<|user|>q<|assistant|><think>ab</think>c<eos><|user|>r<|assistant|><think>d</think>e<eos>"
         "<|user|>again<|assistant|>f<eos>"
     )
-    assert [x for x, m in zip(t.ids[t.prompt_len :], t.mask, strict=True) if m] == [x for turn in turns for x in turn]
+    assert [x for x, m in zip(t.ids[t.prompt_len :], t.mask, strict=True) if m] == [
+        x for turn in turns for x in turn
+    ]

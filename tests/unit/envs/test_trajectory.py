@@ -42,7 +42,9 @@ def test_a_rewritten_history_starts_a_segment_of_its_own() -> None:
 
 
 def test_a_trajectory_without_an_answer_still_has_a_row() -> None:
-    assert Trajectory().sample(stop=9)[SEGMENTS] == [2]  # the stop as its prompt and one masked response token
+    assert Trajectory().sample(stop=9)[SEGMENTS] == [
+        2
+    ]  # the stop as its prompt and one masked response token
     with pytest.raises(ValueError, match="log-probs"):
         join([Call(prompt=[1], completion=[2, 3], logprobs=[-1.0], version=0)])
 

@@ -4,8 +4,8 @@ long-tailed latency (lognormal: median 50 ms, 99th percentile ~2 s) under the re
 (`TOOL_TIMEOUT_S` in recipes/agent_sim.py: the 0.6% of calls past 2.5 s time out, as a real tool's
 would), then replies with its short message. No tokens are looked at; the reward is 0.
 
-    environment="meshrl.envs.sim:SimToolEnv"      # benchmarks/agent_sim.py
-    program="meshrl.envs.sim:sim_program"         # the same as an agent program (benchmarks/agent_gateway.py)
+    environment="meshrl.tasks.sim:SimToolEnv"      # benchmarks/agent_sim.py
+    program="meshrl.tasks.sim:sim_program"         # the same as an agent program (benchmarks/agent_gateway.py)
 """
 
 from __future__ import annotations
