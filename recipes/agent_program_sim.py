@@ -1,6 +1,6 @@
 """Simulated agent programs through the endpoint, for pipeline measurements: recipes/agent_sim.py's work
 (the same simulated engines, turn counts and tool latencies) done by an agent program that calls the
-model over HTTP (meshrl.tasks.sim:sim_program) instead of an environment service.
+model through the OpenAI SDK (meshrl.tasks.sim:sim_program) instead of by an environment.
 
     meshrl run recipes/agent_program_sim.py *.model=PATH   # PATH only provides a tokenizer and chat template
 

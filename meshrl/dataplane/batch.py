@@ -191,6 +191,10 @@ def normalise(value: Any) -> tuple[torch.Tensor, list[int] | None]:
             raise ValueError("empty column")
         if all(isinstance(v, (int, float, bool, np.generic)) for v in value):
             return torch.as_tensor(value), None
+        if all(
+            isinstance(v, torch.Tensor) and v.dim() for v in value
+        ):  # the usual ragged put: no copy for one row
+            return _cpu(value[0] if len(value) == 1 else torch.cat(list(value))), [v.shape[0] for v in value]
         r = Ragged.from_list(value)
         return r.values.contiguous(), r.lengths.tolist()
     raise TypeError(f"cannot write a column of type {type(value).__name__}")

@@ -48,7 +48,7 @@ class Renderer:
         eos = tokenizer.eos_token_id
         self.stop = int(eos) if eos is not None else -1  # no EOS: only whole renderings (`meshrl sft`)
         self.renders_tools = "tools" in str(getattr(tokenizer, "chat_template", "") or "")
-        self._after: dict[str, list[int]] = {}
+        self._after: dict[tuple[str, tuple[str, ...]], list[int]] = {}
         self.rewrites = any(self._probe(p, role) for p in _PROBES for role in ("user", "tool"))
         """Whether the template renders an earlier turn differently once more follow (reasoning)."""
 
@@ -104,7 +104,7 @@ class Renderer:
     def _tail(self, new: Sequence[Message], tools: list[Message] | None) -> list[int]:
         """What the template puts after a finished assistant turn's stop token, `new` included, up to the
         next generation prompt (rendered once per distinct reply: feedback repeats a lot)."""
-        key = json.dumps([new, tools], sort_keys=True, default=str)
+        key = json.dumps(new, sort_keys=True, default=str), tuple(t["function"]["name"] for t in tools or ())
         found = self._after.get(key)
         if found is None:
             turn_end = self.ids(_DUMMY, tools, generation=False).count(self.stop)  # the dummy's last stop

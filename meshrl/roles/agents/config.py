@@ -142,13 +142,14 @@ class AgentsConfig(ServiceConfig):
         )
 
     def reads(self) -> tuple[Read, ...]:
-        # an environment's call rows carry its trajectory so far: any replica takes their answers; a
-        # program's calls are answered to the replica running it (addressed)
+        # an environment's call rows carry its trajectory so far: any replica takes their answers (and its
+        # acknowledgement deletes them); a program's calls are answered to the replica running it
+        # (addressed; it deletes them itself)
         env = self.kind == "environment"
         answers = (PROMPT, *GENERATED, *(TRAJECTORY_SO_FAR if env else ()))
         return (
             Read("tasks", TASKS, (PROMPT,), retains=True),
-            Read("answers", CALLS, answers, addressed=not env),
+            Read("answers", CALLS, answers, retains=env, addressed=not env),
         )
 
     def writes(self) -> tuple[Write, ...]:

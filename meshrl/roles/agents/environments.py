@@ -64,7 +64,7 @@ class Environments:
 
     def jobs(self) -> list[Any]:
         s = self.service
-        return [s.pump(s.ctx.wiring.claim("answers"), self.turn, delete=True)]
+        return [s.pump(s.ctx.wiring.claim("answers"), self.turn)]
 
     async def close(self) -> None:
         pass
