@@ -1,7 +1,7 @@
-"""Multi-turn environments and tools for agent training (docs/architecture.md, "Agents"; the README's
-"Writing an environment"): what a user writes against. Plain Python: an `Environment` subclass, tools
-from typed, documented functions. The machinery that runs them (episodes, rendering, parsing, the
-trajectory's tokens) lives in this package's modules, for the services and tests."""
+"""Multi-turn agents (docs/architecture.md, "Agents"; the README's "Agents"): what a user writes against.
+Plain Python: an `Environment` subclass, tools from typed, documented functions (agent programs get an
+`AgentRun`: meshrl.envs.programs). The machinery every kind of agent shares (rendering, tool-call
+formats, the trajectory's tokens, an environment's moves) lives in this package's modules."""
 
 from meshrl.envs.base import EnvError, Environment, Limits, Message, State, Step, Turn
 from meshrl.envs.parsers import ToolCall

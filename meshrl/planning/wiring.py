@@ -65,7 +65,7 @@ class Read:
     """Every replica reads every row (rollout counts every gate), under "<replica>-<consumer>"."""
     addressed: bool = False
     """Each replica reads only the rows addressed to it (their TO metadata names the replica), under
-    "<replica>-<consumer>": the endpoint's answers, an environment replica's sessions' calls."""
+    "<replica>-<consumer>": the answers to the model calls an agents replica made for its programs."""
     deletes: bool = False
     """The service deletes rows it claimed before others are done writing into them (dynamic
     sampling): the planner checks that nobody writes a column there that this read does not wait for."""
