@@ -89,12 +89,6 @@ class Replica:
         return p.host, p.ports[MASTER]
 
     @property
-    def weights_endpoint(self) -> tuple[str, int]:
-        """Rendezvous of the weight-sync group this replica leads (trainers)."""
-        p = self.processes[0]
-        return p.host, p.ports[WEIGHTS]
-
-    @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(p.rank for p in self.processes)
 
@@ -109,8 +103,6 @@ class Topology:
     wiring: dict[str, Wiring]
     """Each group's part of the run's wiring (meshrl/planning/wiring.py), with what follows from the
     placement (`placed`): all a service is handed about other groups."""
-    stateful: tuple[str, ...] = ()
-    """The groups that take part in checkpoints (each process saves its state when the trainer asks)."""
 
     def processes_on(self, rank: int) -> list[Process]:
         return [p for r in self.replicas for p in r.processes if p.rank == rank]
@@ -170,15 +162,8 @@ def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
     hosts = hosts or {"localhost": 0}
     controller_host = devs[0].host if devs else "localhost"
     storage = tuple((h, r, recipe.ports_from + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
-    stateful = tuple(g.id for g in recipe.groups if g.config.stateful)
     return Topology(
-        tuple(devs),
-        replicas,
-        controller_host,
-        recipe.ports_from,
-        storage,
-        placed(recipe, wiring, replicas),
-        stateful,
+        tuple(devs), replicas, controller_host, recipe.ports_from, storage, placed(recipe, wiring, replicas)
     )
 
 

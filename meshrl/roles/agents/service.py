@@ -35,7 +35,6 @@ import torch
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.envs.programs import AgentRun, load_program, reward_parts
 from meshrl.envs.sessions import Record, join, session_token
-from meshrl.planning.topology import SPARE
 from meshrl.roles.agents.config import AgentsConfig
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.schema import (
@@ -81,9 +80,7 @@ class AgentsService(Service):
         self.program = load_program(cfg.program)
         self.model = str(ctx.wiring.inputs["model_calls"])  # the endpoint's model name
         self.endpoints = [
-            f"http://{ctx.address(r.processes[0].host)}:{r.processes[0].ports[SPARE]}"
-            for gid in ctx.wiring.providers["model_calls"]
-            for r in ctx.topology.replicas_of(gid)
+            f"http://{ctx.address(p.host)}:{p.port}" for p in ctx.wiring.served_by["model_calls"]
         ]
         self.nonce = secrets.token_hex(4)  # sessions of this process only (a restart starts new ones)
         self.sessions: dict[str, Session] = {}
