@@ -51,6 +51,9 @@ class ServiceConfig(Config):
     stateful: ClassVar[bool] = False
     """Takes part in checkpoints (saves its own state when the trainer asks; see
     meshrl/state/checkpoint.py)."""
+    takes_checkpoints: ClassVar[bool] = False
+    """Takes the run's checkpoints (the trainer): it asks every process of the stateful groups to save
+    and waits for them all; the planner lists those processes in its wiring (`Wiring.checkpoint`)."""
     rejoins: ClassVar[bool] = False
     """A replica restarted on its own re-joins the running run: it keeps no state of the run (a frozen
     scorer; inference, which gets the current weights when it re-joins the weight group), or takes

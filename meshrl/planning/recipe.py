@@ -6,9 +6,10 @@ constructed, so a malformed recipe fails before anything starts; the message nam
 what to change.
 
 Settings that several services must agree on are stated once, here on the recipe, and every service
-reads them from it: the batch shape (`prompts_per_step`, `group_size`) and the sampling `temperature`
-(inference samples with it; the trainer, the reference and the teacher take log-probabilities under
-it). A recipe cannot disagree with itself about them.
+is handed them (`RunSettings`, with the other recipe-wide settings; a service sees nothing else of the
+recipe but its own config): the batch shape (`prompts_per_step`, `group_size`) and the sampling
+`temperature` (inference samples with it; the trainer, the reference and the teacher take
+log-probabilities under it). A recipe cannot disagree with itself about them.
 
 Services declare the columns they read and write (`ServiceConfig.reads/writes`); the planner checks
 that every column someone reads is written by someone.
@@ -213,6 +214,45 @@ class Recipe(Config):
         if problems:
             raise RecipeError(problems)
         return recipe
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """The recipe-wide settings every service is handed (`ServiceContext.run`): all a service sees of the
+    recipe besides its own config and its wiring (meshrl/planning/wiring.py)."""
+
+    name: str
+    """The recipe's name."""
+    seed: int
+    """The run's seed (each service derives its own streams from it)."""
+    total_steps: int
+    """Training steps (weight versions) of the run."""
+    prompts_per_step: int
+    """Prompts drawn per training step."""
+    group_size: int
+    """Completions per prompt (a GRPO group)."""
+    temperature: float
+    """The sampling temperature every log-probability of a sampled token is taken under."""
+    checkpoint_every: int
+    """Checkpoint the whole run every this many steps (0: never)."""
+    keep_checkpoints: int
+    """Complete checkpoints kept."""
+    log: LogConfig
+    """Where metrics go besides the run's files, and how many samples a step shows."""
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per training step."""
+        return self.prompts_per_step * self.group_size
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RunSettings:
+        return cls(
+            name=recipe.name, seed=recipe.seed, total_steps=recipe.total_steps,
+            prompts_per_step=recipe.prompts_per_step, group_size=recipe.group_size,
+            temperature=recipe.temperature, checkpoint_every=recipe.checkpoint_every,
+            keep_checkpoints=recipe.keep_checkpoints, log=recipe.log,
+        )  # fmt: skip
 
 
 def _group_problems(g: ServiceGroup) -> Iterator[str]:

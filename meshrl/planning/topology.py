@@ -14,6 +14,9 @@ Rules:
   construction, also when two torchrun agents share a machine.
 - The data plane's controller runs on the host of rank 0 at `base_port`; every host runs a storage
   server at `base_port + 1`.
+- Each group's wiring gets what follows from the placement (`placed`): a weight group's meeting point
+  and members, a ring's processes, a checkpoint's participants, the replicas serving a needed setting.
+  A service is handed its group's wiring, never the topology.
 
 All problems are collected and raised together as one RecipeError, each naming the recipe field
 (`meshrl/planning/checks.py` finds them); placement and ports are `place` and `ports`.
@@ -21,6 +24,7 @@ All problems are collected and raised together as one RecipeError, each naming t
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +33,7 @@ from meshrl.planning import checks
 from meshrl.planning.checks import devices_needed
 from meshrl.planning.config import RecipeError
 from meshrl.planning.recipe import Recipe, Scheduling
-from meshrl.planning.wiring import Wiring, wire
+from meshrl.planning.wiring import Peer, Ring, Weights, Wiring, wire
 
 SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
@@ -87,12 +91,6 @@ class Replica:
         return p.host, p.ports[MASTER]
 
     @property
-    def weights_endpoint(self) -> tuple[str, int]:
-        """Rendezvous of the weight-sync group this replica leads (trainers)."""
-        p = self.processes[0]
-        return p.host, p.ports[WEIGHTS]
-
-    @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(p.rank for p in self.processes)
 
@@ -105,9 +103,8 @@ class Topology:
     controller_port: int
     storage: tuple[tuple[str, int, int], ...]  # (host, launcher rank that runs it, port)
     wiring: dict[str, Wiring]
-    """Each group's part of the run's wiring (meshrl/planning/wiring.py)."""
-    stateful: tuple[str, ...] = ()
-    """The groups that take part in checkpoints (each process saves its state when the trainer asks)."""
+    """Each group's part of the run's wiring (meshrl/planning/wiring.py), with what follows from the
+    placement (`placed`): all a service is handed about other groups."""
 
     def processes_on(self, rank: int) -> list[Process]:
         return [p for r in self.replicas for p in r.processes if p.rank == rank]
@@ -167,8 +164,65 @@ def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
     hosts = hosts or {"localhost": 0}
     controller_host = devs[0].host if devs else "localhost"
     storage = tuple((h, r, recipe.ports_from + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
-    stateful = tuple(g.id for g in recipe.groups if g.config.stateful)
-    return Topology(tuple(devs), replicas, controller_host, recipe.ports_from, storage, wiring, stateful)
+    return Topology(
+        tuple(devs), replicas, controller_host, recipe.ports_from, storage, placed(recipe, wiring, replicas)
+    )
+
+
+def placed(recipe: Recipe, wiring: dict[str, Wiring], replicas: Sequence[Replica]) -> dict[str, Wiring]:
+    """Each group's wiring with what it needs of the placement, so that no service looks at the topology:
+    where its weight group meets and who is in it, its colocation ring's processes, the processes a
+    checkpoint it takes waits for."""
+    of: dict[str, list[Replica]] = {}
+    for r in replicas:
+        of.setdefault(r.group, []).append(r)
+    stateful = tuple(p.name for r in replicas if recipe.group(r.group).config.stateful for p in r.processes)
+    out = {}
+    for g in recipe.groups:
+        w = wiring[g.id]
+        out[g.id] = dataclasses.replace(
+            w,
+            weights=None if w.weights is None else _placed_weights(w.weights, replicas),
+            ring=_ring(recipe, g.id, of),
+            checkpoint=stateful if g.config.takes_checkpoints else (),
+        )
+    return out
+
+
+def _placed_weights(link: Weights, replicas: Sequence[Replica]) -> Weights:
+    """A weight group, placed: the source's first process meets its receiving replicas (in plan order)."""
+    source = next(r for r in replicas if r.group == link.source)
+    members = [r for r in replicas if r.group in link.receivers]
+    return dataclasses.replace(
+        link,
+        endpoint=_peer(source.processes[0], WEIGHTS),
+        members=tuple(m.name for m in members),
+        receiving=tuple(_peer(p) for m in members for p in m.processes),
+    )
+
+
+def _ring(recipe: Recipe, gid: str, of: dict[str, list[Replica]]) -> Ring | None:
+    """The colocation ring group `gid` takes turns in, with every member's processes."""
+    ring = next((r for r in recipe.rings if gid in {m.group for m in r.members}), None)
+    if ring is None:
+        return None
+    return Ring(
+        id=ring.id,
+        members=tuple(m.group for m in ring.members),
+        modes=tuple(m.mode for m in ring.members),
+        processes=tuple(
+            tuple(p.name for r in of.get(m.group, ()) for p in r.processes) for m in ring.members
+        ),
+        hybrid=ring.hybrid,
+    )
+
+
+def _peer(p: Process, k: int | None = None) -> Peer:
+    """Process `p` as another group is handed it, reached at its port k (of PORTS), if any."""
+    return Peer(
+        name=p.name, host=p.host, port=0 if k is None else p.ports[k], local_rank=p.local_rank,
+        uses_device=p.uses_device,
+    )  # fmt: skip
 
 
 def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:
@@ -260,4 +314,7 @@ def _port_problems(recipe: Recipe, replicas: Sequence[Replica]) -> list[str]:
     return found
 
 
-__all__ = ["Device", "Process", "Replica", "Topology", "cohosts", "devices_needed", "place", "plan", "ports"]
+__all__ = [
+    "Device", "Process", "Replica", "Topology", "cohosts", "devices_needed", "place", "placed", "plan",
+    "ports",
+]  # fmt: skip

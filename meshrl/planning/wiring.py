@@ -18,9 +18,11 @@ either knowing the other.
 
 `wire(recipe)` resolves the declarations into one `Wiring` per group, with every problem found: a
 column someone reads that nobody writes, a write nobody reads, a setting nobody offers (each naming
-both sides and what to add). A service gets its `Wiring` in its context (`ctx.wiring`) and never
-looks at another group's config. Adding a role touches its package and, if it needs a new kind of
-link, this module.
+both sides and what to add). Once the processes are placed, the planner adds what follows from the
+placement (`meshrl/planning/topology.py`): where a weight group meets and who is in it, a ring's
+processes, the processes a checkpoint waits for, the replicas serving a setting a group needs. A
+service gets its `Wiring` in its context (`ctx.wiring`) and nothing of another group besides it.
+Adding a role touches its package and, if it needs a new kind of link, this module.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from meshrl.schema import (
 )
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe
+    from meshrl.planning.recipe import Recipe, Scheduling
 
 Partitions = str | tuple[str, ...]
 
@@ -101,6 +103,22 @@ class Claim:
         return replica if self.addressed else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Peer:
+    """A process of the run as another group is handed it: where it runs, and where it is reached."""
+
+    name: str
+    """Its process name ("inference-1-0")."""
+    host: str
+    """Its host id (`ServiceContext.address` turns it into an address to connect to)."""
+    port: int = 0
+    """The port this link reaches it at (0: none)."""
+    local_rank: int = 0
+    """Its device on its host (cuda:<local_rank>), when it uses one."""
+    uses_device: bool = False
+    """Whether it runs on a device (else on CPU beside the device processes)."""
+
+
 @dataclass(frozen=True)
 class Weights:
     """A weight group: the trainer `source` publishes every version to the groups `receivers`."""
@@ -110,6 +128,30 @@ class Weights:
     adapters: Any = None
     """The source's LoRA settings when it publishes the adapters alone (every receiver applies them
     itself); None: it publishes whole weights."""
+    endpoint: Peer | None = None
+    """Where the group meets: the source's first process, at its weight-sync port (set once placed)."""
+    members: tuple[str, ...] = ()
+    """The receiving replicas ("inference-0", ...) in the group's rank order: member i has rank 1 + i,
+    the source rank 0 (set once placed)."""
+    receiving: tuple[Peer, ...] = ()
+    """Every process of the receiving replicas (the source sends over shared memory when all are on
+    its host; set once placed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ring:
+    """A colocation ring as its members are handed it (meshrl/runtime/colocation.py takes the turns)."""
+
+    id: str
+    """The ring's id in the recipe."""
+    members: tuple[str, ...]
+    """Its member groups, in ring order."""
+    modes: tuple[Scheduling, ...]
+    """Each member's scheduling (ON_DEMAND or FALLBACK), in ring order."""
+    processes: tuple[tuple[str, ...], ...]
+    """Each member's process names, in ring order."""
+    hybrid: bool = False
+    """The members share one process per device: turns without offload."""
 
 
 @dataclass(frozen=True)
@@ -125,9 +167,11 @@ class Wiring:
     """The weight group this group publishes to or receives from."""
     inputs: dict[str, Any] = field(default_factory=dict)
     """The settings it needs, by name, from the group that offers them."""
-    providers: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """By the name of each setting it needs: the groups offering it (the agents service finds
-    the endpoint's replicas this way)."""
+    ring: Ring | None = None
+    """The colocation ring this group takes turns in (set once placed; None: it is in none)."""
+    checkpoint: tuple[str, ...] = ()
+    """The processes a checkpoint this group takes waits for, each saving its own state (a group that
+    `takes_checkpoints`: every process of the stateful groups; set once placed)."""
 
     def claim(self, port: str) -> Claim:
         try:
@@ -180,7 +224,7 @@ def wire(recipe: Recipe) -> tuple[dict[str, Wiring], list[str]]:
     problems += _unread(outputs, claims)
     problems += _late_writers(reads, claims, outputs)
     weights = _weights(recipe, problems)
-    inputs, providers = _inputs(recipe, problems)
+    inputs = _inputs(recipe, problems)
     wiring = {
         g.id: Wiring(
             g.id,
@@ -188,7 +232,6 @@ def wire(recipe: Recipe) -> tuple[dict[str, Wiring], list[str]]:
             outputs[g.id],
             weights.get(g.id),
             inputs.get(g.id, {}),
-            providers.get(g.id, {}),
         )
         for g in recipe.groups
     }
@@ -330,17 +373,13 @@ def _weights(recipe: Recipe, problems: list[str]) -> dict[str, Weights]:
     return out
 
 
-def _inputs(
-    recipe: Recipe, problems: list[str]
-) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, tuple[str, ...]]]]:
-    """What each group needs from others, from the groups that offer it (all of which must agree), and
-    which groups those are."""
+def _inputs(recipe: Recipe, problems: list[str]) -> dict[str, dict[str, Any]]:
+    """What each group needs from others, from the groups that offer it (all of which must agree)."""
     offered: dict[str, dict[str, Any]] = {}  # name -> group -> value
     for g in recipe.groups:
         for name, value in g.config.offers().items():
             offered.setdefault(name, {})[g.id] = value
     out: dict[str, dict[str, Any]] = {}
-    providers: dict[str, dict[str, tuple[str, ...]]] = {}
     for g in recipe.groups:
         for name, hint in g.config.needs().items():
             offers = {gid: v for gid, v in offered.get(name, {}).items() if gid != g.id}
@@ -353,5 +392,4 @@ def _inputs(
                 )
             else:
                 out.setdefault(g.id, {})[name] = values[0]
-                providers.setdefault(g.id, {})[name] = tuple(sorted(offers))
-    return out, providers
+    return out

@@ -1,8 +1,9 @@
 """Colocation: service groups that take turns on the same devices, by a token passed over the data plane.
 
-A ring (`recipe.rings`) lists member groups, each ON_DEMAND (asks for the devices when it has work) or
-FALLBACK (holds them whenever nobody else asks; at most one per ring, typically inference). Its state is
-one partition, `ring.<id>.<launch>`, where requests are rows and grants are columns:
+A ring (`recipe.rings`; each member is handed it in its wiring, `Wiring.ring`) lists member groups,
+each ON_DEMAND (asks for the devices when it has work) or FALLBACK (holds them whenever nobody else
+asks; at most one per ring, typically inference). Its state is one partition, `ring.<id>.<launch>`,
+where requests are rows and grants are columns:
 
     event    [kind, member, process, row]   a new row: REQUEST (a process wants the devices) or
                                             RELEASE (of the turn granted on request `row`)
@@ -42,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from meshrl.dataplane import Client
-from meshrl.planning.recipe import ColocationRing, Scheduling
-from meshrl.planning.topology import Topology
+from meshrl.planning.recipe import Scheduling
+from meshrl.planning.wiring import Ring
 from meshrl.schema import BY, EVENT, GRANT, PREEMPT, RELEASE, REQUEST, RING_CAPACITY, ring_partition
 
 log = logging.getLogger("meshrl.runtime.colocation")
@@ -53,7 +54,8 @@ WATCH_S = 30.0
 
 @dataclass(frozen=True)
 class RingPlan:
-    """What every process of a ring knows about it, derived from the recipe and topology alone."""
+    """What every process of a ring knows about it: the ring its members are handed by the planner
+    (their wiring's `ring`), in this launch."""
 
     id: str
     members: tuple[str, ...]  # group ids in ring order
@@ -63,12 +65,8 @@ class RingPlan:
     launch: str = "0"  # the launch it belongs to (a resumed run restores the data plane, not the rings)
 
     @classmethod
-    def of(cls, ring: ColocationRing, topology: Topology, launch: str) -> RingPlan:
-        procs = tuple(
-            tuple(p.name for r in topology.replicas_of(m.group) for p in r.processes) for m in ring.members
-        )
-        groups, modes = tuple(m.group for m in ring.members), tuple(m.mode for m in ring.members)
-        return cls(ring.id, groups, modes, procs, ring.hybrid, launch)
+    def of(cls, ring: Ring, launch: str) -> RingPlan:
+        return cls(ring.id, ring.members, ring.modes, ring.processes, ring.hybrid, launch)
 
     @property
     def partition(self) -> str:

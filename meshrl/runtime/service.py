@@ -1,8 +1,10 @@
 """What every service is: set-up, a run loop over the data plane, a health report.
 
 A service process is started by its launcher as `python -m meshrl.runtime.worker`, which rebuilds the plan,
-builds the service from its config and drives `setup()`, `run()`, `close()`. Services never call each
-other: they read and write partitions of the data plane. The run ends when a service (normally the
+builds the service with its context and drives `setup()`, `run()`, `close()`. The context holds the
+service's own config, its own wiring, the recipe-wide settings and its identity, never the whole
+recipe or topology: isolation by construction. Services never call each other: they read and write
+partitions of the data plane. The run ends when a service (normally the
 trainer) writes a `finished` row into the `control` partition; every service watches for it.
 """
 
@@ -25,8 +27,8 @@ import torch
 from meshrl.dataplane import AsyncClient, Client
 from meshrl.dataplane.aio import WATCH_S
 from meshrl.planning.config import ServiceConfig
-from meshrl.planning.recipe import Recipe
-from meshrl.planning.topology import HEALTH, Process, Replica, Topology
+from meshrl.planning.recipe import RunSettings
+from meshrl.planning.topology import HEALTH, Process, Replica
 from meshrl.planning.wiring import Wiring
 from meshrl.schema import BY, CONTROL, EVENT, FAILED, FINISHED
 
@@ -34,16 +36,34 @@ if TYPE_CHECKING:
     from meshrl.runtime.colocation import RingMember
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ServiceContext:
-    recipe: Recipe
-    topology: Topology
+    """What a service is handed, and all it knows of the run: its own config, its own wiring, the
+    recipe-wide settings and its identity. Nothing of another group but what its wiring says (the planner
+    resolves that: meshrl/planning/wiring.py, topology.py `placed`)."""
+
+    config: ServiceConfig
+    """Its group's config."""
+    wiring: Wiring
+    """Its group's part of the run's wiring: what it claims and where it writes, its weight group, the
+    settings handed to it from other groups, its ring, the processes it reaches
+    (meshrl/planning/wiring.py)."""
+    run: RunSettings
+    """The recipe-wide settings: seed, steps, batch shape, temperature, checkpoints, log."""
     replica: Replica
+    """Its replica: group, index, processes (its own torch.distributed group)."""
     process: Process
+    """Its process: worker index, host, device, ports."""
     run_dir: Path
+    """The run directory (logs, metrics, checkpoints)."""
     controller: str
+    """The data plane's controller endpoint."""
     secret: str | None
+    """The run's secret for the data plane (None: a run on loopback only)."""
     health: Health
+    """What its health endpoint reports."""
+    single_host: bool = True
+    """The whole run is on one host: every process is reached on loopback."""
     launch: str = "0"
     """This launch's id: state that must not outlive a launch (colocation rings, re-join files) is named
     by it."""
@@ -51,16 +71,6 @@ class ServiceContext:
     """The checkpoint this launch resumes from (None: a fresh start)."""
     addresses: dict[str, str] = field(default_factory=dict)
     """Host id -> the address other hosts reach it at (runs over several hosts)."""
-
-    @property
-    def config(self) -> ServiceConfig:
-        return self.recipe.group(self.replica.group).config
-
-    @property
-    def wiring(self) -> Wiring:
-        """This group's part of the run's wiring: what it claims and where it writes, its weight group,
-        the settings handed to it from other groups (meshrl/planning/wiring.py)."""
-        return self.topology.wiring[self.replica.group]
 
     @property
     def name(self) -> str:
@@ -74,7 +84,7 @@ class ServiceContext:
 
     def address(self, host: str) -> str:
         """Where other processes reach `host` (loopback when the whole run is on one host)."""
-        if self.topology.single_host:
+        if self.single_host:
             return "127.0.0.1"
         return self.addresses.get(host, host)
 
@@ -184,13 +194,11 @@ class Service:
         memory offloaded (the devices are the ring's, not this service's)."""
         from meshrl.runtime.colocation import RingMember, RingPlan
 
-        ring = next(
-            (r for r in self.ctx.recipe.rings if self.ctx.replica.group in {m.group for m in r.members}), None
-        )
+        ring = self.ctx.wiring.ring
         if ring is None:
             return
         self.ring = RingMember(
-            RingPlan.of(ring, self.ctx.topology, self.ctx.launch), self.ctx.name, self.ctx.client,
+            RingPlan.of(ring, self.ctx.launch), self.ctx.name, self.ctx.client,
             offload=self._offload, restore=self._restore,
         )  # fmt: skip
         self._offload()

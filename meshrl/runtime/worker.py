@@ -3,8 +3,10 @@
 A launcher has its zygote fork the process and call `main` (`meshrl/runtime/zygote.py`: torch and the
 service's modules are imported already); run as a module it works the same, only slower to start. The
 launcher passes the recipe, overrides and gathered device list in the environment; the process
-rebuilds the same plan, finds itself in it, and runs its service. Stdout/stderr go to the process's
-log file (set up by the zygote), so a crash leaves its full traceback there. Several triples: the
+rebuilds the same plan, finds itself in it, and runs its service with its context (`context`): its
+group's config and wiring, the recipe-wide settings and its identity, not the recipe or the plan.
+Stdout/stderr go to the process's log file (set up by the zygote), so a crash leaves its full
+traceback there. Several triples: the
 members of a hybrid colocation ring on one device, run as threads of this one process.
 """
 
@@ -20,12 +22,16 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshrl.lifetime import die_with_parent
-from meshrl.planning.recipe import load_recipe, service_class
-from meshrl.planning.topology import Device, plan
+from meshrl.planning.recipe import Recipe, RunSettings, load_recipe, service_class
+from meshrl.planning.topology import Device, Topology, plan
+
+if TYPE_CHECKING:
+    from meshrl.runtime.service import ServiceContext
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,27 +54,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # heavy imports (torch, transformers; done already in a zygote's child) only from here on
     from meshrl.runtime import hybrid
-    from meshrl.runtime.service import Health, ServiceContext
 
     services, servers = [], []
     for g, r, w in triples:  # more than one: a hybrid ring's members on this device, one thread each
-        replica = topology.replica(g, r)
-        process = replica.processes[w]
-        health = Health(process.name)
-        servers.append(health.serve(process.ports[0]))
-        ctx = ServiceContext(
-            recipe=recipe,
-            topology=topology,
-            replica=replica,
-            process=process,
-            run_dir=Path(os.environ["MESHRL_RUN_DIR"]),
-            controller=os.environ["MESHRL_CONTROLLER"],
-            secret=os.environ.get("MESHRL_SECRET") or None,
-            health=health,
-            launch=os.environ.get("MESHRL_LAUNCH", "0"),
-            resume=Path(os.environ["MESHRL_RESUME"]) if os.environ.get("MESHRL_RESUME") else None,
-            addresses=json.loads(os.environ.get("MESHRL_ADDRESSES", "{}")),
-        )
+        ctx = context(recipe, topology, g, r, w, os.environ)
+        servers.append(ctx.health.serve(ctx.process.ports[0]))
         services.append(service_class(ctx.config)(ctx))
     hybrid.register(services)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -112,6 +102,32 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def context(
+    recipe: Recipe, topology: Topology, group: str, index: int, worker: int, env: Mapping[str, str]
+) -> ServiceContext:
+    """What process `worker` of replica `index` of `group` is handed: its group's config and wiring, the
+    recipe-wide settings, its identity (and the launch's facts from `env`); not the recipe or the plan."""
+    from meshrl.runtime.service import Health, ServiceContext
+
+    replica = topology.replica(group, index)
+    process = replica.processes[worker]
+    return ServiceContext(
+        config=recipe.group(group).config,
+        wiring=topology.wiring[group],
+        run=RunSettings.of(recipe),
+        replica=replica,
+        process=process,
+        run_dir=Path(env["MESHRL_RUN_DIR"]),
+        controller=env["MESHRL_CONTROLLER"],
+        secret=env.get("MESHRL_SECRET") or None,
+        health=Health(process.name),
+        single_host=topology.single_host,
+        launch=env.get("MESHRL_LAUNCH", "0"),
+        resume=Path(env["MESHRL_RESUME"]) if env.get("MESHRL_RESUME") else None,
+        addresses=json.loads(env.get("MESHRL_ADDRESSES", "{}")),
+    )
 
 
 def dump_tasks(*_: object) -> None:

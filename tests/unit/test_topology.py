@@ -348,13 +348,14 @@ def test_weights_go_through_shared_memory_on_cpu_or_to_a_replica_on_the_trainers
     import torch
 
     from meshrl.planning.topology import Process
+    from meshrl.planning.wiring import Peer
     from meshrl.roles.trainer.publish import over_shared_memory
     from meshrl.runtime.weights_packing import buckets, pack, unpack
 
-    def proc(host: str, gpu: int) -> Process:
-        return Process("g", 0, 0, 0, host, gpu, True, 0, ())
+    def proc(host: str, gpu: int) -> Peer:  # a receiver, as the trainer's wiring hands it
+        return Peer(name="inference-0-0", host=host, local_rank=gpu, uses_device=True)
 
-    trainer = proc("a", 0)
+    trainer = Process("g", 0, 0, 0, "a", 0, True, 0, ())
     assert over_shared_memory("cpu", trainer, [proc("a", 1)])
     assert over_shared_memory("cuda", trainer, [proc("a", 0), proc("a", 1)])  # --devices 0,0[,1]
     assert not over_shared_memory("cuda", trainer, [proc("a", 1)])  # NCCL between GPUs

@@ -53,8 +53,8 @@ class CriticService(Service):
             torch.set_num_threads(cfg.threads)
         self.engine = FSDPEngine(
             cfg.model, cfg.optim, memory=cfg.memory, device=self.ctx.device,
-            total_steps=self.ctx.recipe.total_steps * cfg.mini_batches * cfg.epochs,
-            loader_kwargs=cfg.loader_kwargs, seed=self.ctx.recipe.seed, head="value",
+            total_steps=self.ctx.run.total_steps * cfg.mini_batches * cfg.epochs,
+            loader_kwargs=cfg.loader_kwargs, seed=self.ctx.run.seed, head="value",
         )  # fmt: skip
         self.version = 0
         self.minibatches = 0
@@ -128,7 +128,7 @@ class CriticService(Service):
         )  # fmt: skip
 
     def claim_train(self) -> asyncio.Task[Batch]:
-        c, n = self.ctx.wiring.claim("train"), self.ctx.recipe.batch_size
+        c, n = self.ctx.wiring.claim("train"), self.ctx.run.batch_size
         return asyncio.create_task(
             self.client.claim(c.partition, c.consumer, list(c.columns), n, min_n=n, timeout=WATCH_S, lease=LEASE_S)
         )  # fmt: skip
@@ -152,7 +152,7 @@ class CriticService(Service):
                 self.train_claim = self.claim_train()
         # Synchronous PPO computes a batch's values before any update on it: train on batch v (this
         # critic's version) only once every sample of it has its values.
-        if self.held is not None and self.valued >= (self.version + 1) * self.ctx.recipe.batch_size:
+        if self.held is not None and self.valued >= (self.version + 1) * self.ctx.run.batch_size:
             await asyncio.to_thread(self.train, self.held)
             self.version_changed.set()
             self.training = self.held.ids.tolist()

@@ -112,7 +112,7 @@ class InferenceService(Service):
         # the trainer in this very process (a hybrid ring) lends its model: its weights are live here
         self.trainer = hybrid.peer(link.source)
         self.engine: InferenceEngine = build_engine(
-            cfg, device=str(ctx.device), seed=ctx.recipe.seed, replica=ctx.replica.index,
+            cfg, device=str(ctx.device), seed=ctx.run.seed, replica=ctx.replica.index,
             work_dir=str(ctx.run_dir / "vllm" / ctx.name),
             model=None if self.trainer is None else self.trainer.engine.model, adapters=link.adapters,
         )  # fmt: skip
@@ -124,13 +124,13 @@ class InferenceService(Service):
         self.loop: asyncio.AbstractEventLoop | None = None
         self.new_version: asyncio.Event | None = None
         self.receiver = Receiver(self.engine, continuing=cfg.interrupt == "continue", announce=self.announce)
-        if self.trainer is None:
-            members = [r for r in ctx.topology.replicas if r.group in link.receivers]
-            host, port = ctx.topology.replicas_of(link.source)[0].weights_endpoint
+        if self.trainer is None:  # the group meets at the trainer's endpoint; its members in rank order
+            source, members = link.endpoint, link.members
+            assert source is not None, "the planner places every weight group"
             self.receiver.start(
                 WeightGroup(
-                    ctx.address(host), port, 1 + members.index(ctx.replica), 1 + len(members),
-                    device=str(ctx.device), member=self.engine.weight_member(),
+                    ctx.address(source.host), source.port, 1 + members.index(ctx.replica.name),
+                    1 + len(members), device=str(ctx.device), member=self.engine.weight_member(),
                 )
             )  # fmt: skip
 
@@ -316,7 +316,7 @@ class InferenceService(Service):
                 key = (1, int(versions[i] or 0), int(prompts[i] or 0))
             else:  # a trajectory's turns differ by their number
                 key = (0, int(groups[i]), int(turns[i] or 0))
-            seeds.append(row_seed(self.ctx.recipe.seed, key, int(members[i] or 0)))
+            seeds.append(row_seed(self.ctx.run.seed, key, int(members[i] or 0)))
         return seeds
 
     def generate(self, batch: Batch, rows: list[int], *, evaluation: bool) -> dict[str, Any]:
@@ -364,7 +364,7 @@ class InferenceService(Service):
     def sampling(self, batch: Batch, rows: list[int], evaluation: bool) -> list[Want]:
         """What each row is generated with: the run's settings (greedy for a greedy evaluation row), or
         what an agent's call asked for (its SAMPLING metadata; max_tokens capped at max_new_tokens)."""
-        cfg, temperature = self.config, self.ctx.recipe.temperature
+        cfg, temperature = self.config, self.ctx.run.temperature
         greedy, asked = batch.meta_of(GREEDY, False), batch.meta_of(SAMPLING)
         wants = []
         for i in rows:

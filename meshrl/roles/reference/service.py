@@ -19,7 +19,7 @@ class ReferenceService(ScorerService):
 
         cfg = self.ctx.config
         assert isinstance(cfg, ReferenceConfig)
-        self.temperature = self.ctx.recipe.temperature
+        self.temperature = self.ctx.run.temperature
         model: Any = AutoModelForCausalLM.from_pretrained(cfg.model, **cfg.loader_kwargs)
         self.model = model.to(self.ctx.device).eval()
         self.pad_id = int(self.model.config.pad_token_id or 0)

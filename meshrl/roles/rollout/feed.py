@@ -24,7 +24,7 @@ import torch
 
 from meshrl.dataplane import AsyncClient
 from meshrl.dataplane.protocol import Meta
-from meshrl.planning.recipe import Recipe
+from meshrl.planning.recipe import RunSettings
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.schema import EPOCH, GROUP, MEMBER, MIN_VERSION, PROMPT, PROMPT_ID, TASK
@@ -39,7 +39,7 @@ class Feed:
     def __init__(
         self,
         cfg: RolloutConfig,
-        recipe: Recipe,
+        settings: RunSettings,
         state: RolloutState,
         rows: list[dict[str, Any]],
         encode: Callable[[dict[str, Any]], torch.Tensor],
@@ -49,9 +49,9 @@ class Feed:
         partition: str,
     ) -> None:
         """Writes prompt rows into `partition` (samples, or agents' trajectory starts: the wiring's)."""
-        self.cfg, self.recipe, self.state = cfg, recipe, state
+        self.cfg, self.settings, self.state = cfg, settings, state
         self.rows, self.encode, self.name = rows, encode, name
-        self.total = recipe.total_steps * recipe.batch_size
+        self.total = settings.total_steps * settings.batch_size
         self.rng = random.Random(seed)
         self.order: list[int] = []
         for _ in range(state.epoch + 1):  # this epoch's order: the same shuffles from the same seed
@@ -71,20 +71,20 @@ class Feed:
         window = self.cfg.window
         if window is None:
             return self.total
-        return min(self.total, max(0, self.state.gates - 1 + window) * self.recipe.batch_size)
+        return min(self.total, max(0, self.state.gates - 1 + window) * self.settings.batch_size)
 
     def min_version(self, sample: int) -> int:
         """Oldest weight version sample number `sample` may be generated with (enforced by inference)."""
         window = self.cfg.window
-        return 0 if window is None else max(0, sample // self.recipe.batch_size - window + 1)
+        return 0 if window is None else max(0, sample // self.settings.batch_size - window + 1)
 
     # ---------------------------------------------------------------------------------------------------
 
     async def run(self, client: AsyncClient, pause: Pause, persist: Callable[[], None]) -> None:
         """Write prompts one batch ahead of what the gates allow, forever (dynamic sampling can hand
         back started samples after the last prompt was fed)."""
-        group, st = self.recipe.group_size, self.state
-        ahead = 0 if self.cfg.window is None else self.recipe.batch_size
+        group, st = self.settings.group_size, self.state
+        ahead = 0 if self.cfg.window is None else self.settings.batch_size
         while True:
             room = min(self.total, self.allowed() + ahead) - st.started
             if room < group:
@@ -95,7 +95,7 @@ class Feed:
                 room = min(self.total, self.allowed() + ahead) - st.started
                 if room < group:
                     continue
-                groups, tokens = self.draw(min(room // group, self.recipe.prompts_per_step))
+                groups, tokens = self.draw(min(room // group, self.settings.prompts_per_step))
                 st.started += len(groups) * group
                 key = f"{self.name}/feed/{groups[0][0]}"
                 st.pending[key] = {"kind": "feed", "groups": groups}
@@ -112,7 +112,7 @@ class Feed:
             index, tokens[index] = self.next_prompt()
             st.group_seq += 1
             # a group replacing one that dynamic sampling dropped belongs to the dropped one's batch
-            started = st.started + len(groups) * self.recipe.group_size
+            started = st.started + len(groups) * self.settings.group_size
             need = st.refill.pop(0) if st.refill else self.min_version(started)
             groups.append((st.group_seq, index, st.epoch, need))
         return groups, tokens
@@ -125,7 +125,7 @@ class Feed:
         tokens: dict[int, torch.Tensor] | None = None,
     ) -> None:
         """`group_size` rows per group into `samples`, under the idempotency key `key`."""
-        n = self.recipe.group_size
+        n = self.settings.group_size
         rows: list[torch.Tensor] = []
         meta: list[Meta] = []
         for group, index, epoch, need in groups:

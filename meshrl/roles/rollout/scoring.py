@@ -29,7 +29,7 @@ from meshrl.algorithms.losses import AdaptiveKL, kl
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.missing import put_missing_async
 from meshrl.observe.metrics import Metrics, Sink
-from meshrl.planning.recipe import Recipe
+from meshrl.planning.recipe import RunSettings
 from meshrl.planning.wiring import Claim
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.reward_functions import RewardFunction, Scored, Workers, completions, score
@@ -92,7 +92,7 @@ class Scoring:
     def __init__(
         self,
         cfg: RolloutConfig,
-        recipe: Recipe,
+        settings: RunSettings,
         state: RolloutState,
         rewards: Rewards,
         rows: list[dict[str, Any]],
@@ -102,7 +102,7 @@ class Scoring:
         until_gated: Callable[[int], Awaitable[None]],
     ) -> None:
         """Scores the rows of `claim` (its columns: what the reward and advantage read)."""
-        self.cfg, self.recipe, self.state, self.rewards, self.rows = cfg, recipe, state, rewards, rows
+        self.cfg, self.settings, self.state, self.rewards, self.rows = cfg, settings, state, rewards, rows
         self.claim = claim
         self.until_gated = until_gated  # a version's gate counted and its evaluation rows put
         self.sink, self.metrics, self.counted = sink, Metrics(), 0  # per-function means, a row per step
@@ -114,7 +114,7 @@ class Scoring:
         self, client: AsyncClient, pause: Pause, persist: Callable[[], None], after: Callable[[], None]
     ) -> None:
         """Claim and score forever; `persist` before the effects, `after` each scored claim."""
-        cfg, batch_size = self.cfg, self.recipe.batch_size
+        cfg, batch_size = self.cfg, self.settings.batch_size
         whole = cfg.advantage == "reinforce_pp" or (
             cfg.advantage == "gae" and cfg.values == "critic" and cfg.whiten
         )
@@ -122,7 +122,7 @@ class Scoring:
             c = self.claim
             batch = await client.claim(
                 c.partition, c.consumer, list(c.columns), batch_size, min_n=batch_size if whole else 1,
-                group_size=self.recipe.group_size, timeout=WATCH_S, lease=600,
+                group_size=self.settings.group_size, timeout=WATCH_S, lease=600,
             )  # fmt: skip
             if not batch:
                 continue
@@ -181,7 +181,7 @@ class Scoring:
         """Stop the run when dynamic sampling drops nearly every group."""
         cfg, st = self.cfg, self.state
         drawn = st.scored + st.filtered
-        if drawn >= 4 * self.recipe.batch_size and st.filtered > cfg.max_filtered_fraction * drawn:
+        if drawn >= 4 * self.settings.batch_size and st.filtered > cfg.max_filtered_fraction * drawn:
             raise RuntimeError(
                 f"dynamic sampling dropped {st.filtered} of {drawn} samples (max_filtered_fraction="
                 f"{cfg.max_filtered_fraction}): nearly every group's rewards agree"
@@ -190,7 +190,7 @@ class Scoring:
     def check_failed(self) -> None:
         """Stop the run when more than max_failed_fraction of the samples could not be scored."""
         cfg, st = self.cfg, self.state
-        if st.scored >= 4 * self.recipe.group_size and st.failed > cfg.max_failed_fraction * st.scored:
+        if st.scored >= 4 * self.settings.group_size and st.failed > cfg.max_failed_fraction * st.scored:
             raise RuntimeError(
                 f"{st.failed} of {st.scored} samples could not be scored (max_failed_fraction="
                 f"{cfg.max_failed_fraction}); first failure:\n"
@@ -242,10 +242,10 @@ class Scoring:
             if values:
                 self.metrics.add(f"reward/{name}", torch.tensor(list(values.values())))
         self.counted += n
-        if self.counted >= self.recipe.batch_size and self.metrics.acc:
+        if self.counted >= self.settings.batch_size and self.metrics.acc:
             done = self.state.scored + n  # the step those samples train (exactly so in lock-step)
             self.sink.write(
-                {"step": done // self.recipe.batch_size - 1, "scored": done, **self.metrics.reduce()}
+                {"step": done // self.settings.batch_size - 1, "scored": done, **self.metrics.reduce()}
             )
             self.metrics, self.counted = Metrics(), 0
 

@@ -71,14 +71,15 @@ class RolloutService(Service):
         self.rewards = rewards = Rewards(
             tokenizer, reward_functions.load(cfg.functions), cfg.prompt_field, workers
         )
-        seed = ctx.recipe.seed * 7919 + ctx.replica.index
+        seed = ctx.run.seed * 7919 + ctx.replica.index
         wiring = ctx.wiring
         self.feed = Feed(
-            cfg, ctx.recipe, self.state, train_rows, encoded, seed=seed, name=ctx.name,
+            cfg, ctx.run, self.state, train_rows, encoded, seed=seed, name=ctx.name,
             partition=wiring.partition("feed"),
         )  # fmt: skip
         self.scoring = Scoring(
-            cfg, ctx.recipe, self.state, rewards, train_rows, wiring.claim("score"), on_refill=self.feed.changed.set,
+            cfg, ctx.run, self.state, rewards, train_rows, wiring.claim("score"),
+            on_refill=self.feed.changed.set,
             sink=self.sink("rewards.jsonl", predecessor), until_gated=self.until_gated,
         )  # fmt: skip
         self.evaluation = Evaluation(

@@ -34,7 +34,7 @@ class TeacherService(ScorerService):
             )
         self.model = model
         self.topk = TopK(
-            model, k=cfg.top_k, temperature=self.ctx.recipe.temperature, max_tokens=cfg.max_tokens,
+            model, k=cfg.top_k, temperature=self.ctx.run.temperature, max_tokens=cfg.max_tokens,
             token_chunk=cfg.token_chunk, vocab_chunk=cfg.vocab_chunk, device=self.ctx.device,
             streamed=streamed,
         )  # fmt: skip

@@ -69,6 +69,7 @@ class TrainerConfig(ServiceConfig):
     service = "meshrl.roles.trainer.service:TrainerService"
     moved: ClassVar[dict[str, str]] = MOVED
     publishes_weights = True
+    takes_checkpoints = True
 
     model: str
     """Local path of the initial policy."""

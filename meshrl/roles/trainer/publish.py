@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from meshrl.planning.topology import Process
+from meshrl.planning.wiring import Peer
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import ServiceContext
 from meshrl.runtime.weights import WeightGroup
@@ -28,7 +30,7 @@ from meshrl.schema import FINAL, VERSION
 log = logging.getLogger("meshrl.trainer")
 
 
-def over_shared_memory(device: str, trainer: Process, receivers: list[Process]) -> bool:
+def over_shared_memory(device: str, trainer: Process, receivers: Sequence[Peer]) -> bool:
     """Whether weights go through shared memory rather than a broadcast: every receiver on the trainer's
     host, and on CPU, or on a GPU with a receiver on the trainer's own GPU (`meshrl run --devices 0,0`:
     NCCL refuses two ranks on one device); between GPUs NCCL's broadcast is the faster path."""
@@ -54,20 +56,19 @@ class Publisher:
         self.local = [s for s in (hybrid.peer(g) for g in inference) if s is not None]
         self.weights: WeightGroup | None = None
         if self.rank == 0 and not self.local:
-            self.weights = self._group(inference, pool)
+            self.weights = self._group(pool)
             threading.Thread(target=self.watch_rejoins, name="rejoins", daemon=True).start()
 
-    def _group(self, inference: tuple[str, ...], pool: Any) -> WeightGroup:
-        ctx = self.ctx
-        members = [r for r in ctx.topology.replicas if r.group in inference]
-        host, port = ctx.replica.weights_endpoint
+    def _group(self, pool: Any) -> WeightGroup:
+        ctx, link = self.ctx, self.ctx.wiring.weights
+        assert link is not None and link.endpoint is not None, "the planner places every weight group"
         # through one shared-memory segment (in the data plane's directory, named like the trainer's own
         # segments, so it is cleaned up with them), the group only synchronising
         shm = None
-        receivers = [p for m in members for p in m.processes]
-        if pool is not None and over_shared_memory(ctx.device.type, ctx.process, receivers):
+        if pool is not None and over_shared_memory(ctx.device.type, ctx.process, link.receiving):
             shm = (pool.directory, f"{pool.prefix}-weights")
-        return WeightGroup(ctx.address(host), port, 0, 1 + len(members), device=str(ctx.device), shm=shm)
+        host, port = link.endpoint.host, link.endpoint.port
+        return WeightGroup(ctx.address(host), port, 0, 1 + len(link.members), device=str(ctx.device), shm=shm)
 
     def publish(self, version: int, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `version` and open the gate for it (every rank calls it: the

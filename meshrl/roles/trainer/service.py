@@ -56,7 +56,7 @@ class TrainerService(Service):
             world_size=self.world,
             timeout=timedelta(minutes=30),
         )
-        recipe, wiring = self.ctx.recipe, self.ctx.wiring
+        run, wiring = self.ctx.run, self.ctx.wiring
         self.engine: Any
         if cfg.engine == "sim":
             from meshrl.engines.sim import SimTrainEngine
@@ -66,8 +66,8 @@ class TrainerService(Service):
             weights = wiring.weights
             self.engine = FSDPEngine(
                 cfg.model, cfg.optim, memory=cfg.memory, lora=cfg.adapters(), device=self.ctx.device,
-                total_steps=recipe.total_steps * cfg.mini_batches, loader_kwargs=cfg.loader_kwargs,
-                seed=recipe.seed, head="lm+value" if cfg.value.head else "lm", temperature=recipe.temperature,
+                total_steps=run.total_steps * cfg.mini_batches, loader_kwargs=cfg.loader_kwargs,
+                seed=run.seed, head="lm+value" if cfg.value.head else "lm", temperature=run.temperature,
                 publish_adapters=weights is not None and weights.adapters is not None,
             )  # fmt: skip
         # the actor-critic computes GAE with the settings of the rollout that writes its token rewards
@@ -86,7 +86,7 @@ class TrainerService(Service):
         self.metrics = (
             JsonlSink(self.ctx.run_dir / "metrics.jsonl", keep=metrics_lines) if self.rank == 0 else None
         )
-        shown = self.ctx.recipe.log.samples_per_step
+        shown = self.ctx.run.log.samples_per_step
         self.samples = (
             SampleLog(self.ctx.run_dir / "samples.jsonl", cfg.model, shown, fresh=self.ctx.resume is None)
             if self.rank == 0 and shown
@@ -103,8 +103,8 @@ class TrainerService(Service):
 
     def run(self) -> None:
         cfg = self.config
-        total = self.ctx.recipe.total_steps
-        every = self.ctx.recipe.checkpoint_every
+        total = self.ctx.run.total_steps
+        every = self.ctx.run.checkpoint_every
         # A step's metrics line covers the time since the line before: the publication that opened the
         # step, the wait for its data, its training. It is written before the next publication, whose
         # announcement wakes every inference replica: bookkeeping after it would compete with dozens
@@ -189,10 +189,10 @@ class TrainerService(Service):
         )
         if self.loader is None:
             cfg = self.config
-            n = self.ctx.recipe.batch_size // cfg.mini_batches // self.world
+            n = self.ctx.run.batch_size // cfg.mini_batches // self.world
             self.loader = Loader(
                 self.ctx.client(f"{self.ctx.name}-loader"), self.ctx.wiring.claim("train"), cfg, n,
-                self.ctx.recipe.group_size,
+                self.ctx.run.group_size,
             )  # fmt: skip
         while True:
             mini = self.loader.get(timeout=CLAIM_POLL_S)
@@ -311,10 +311,8 @@ class TrainerService(Service):
             "step": step, "version": self.version, "nan_streak": self.nan_streak, "kl_coef": self.kl.coef,
             "metrics_lines": step, "torch_rng": torch.get_rng_state().tolist(),
         })  # fmt: skip
-        topology = self.ctx.topology
-        parts = [p.name for r in topology.replicas if r.group in topology.stateful for p in r.processes]
         self.client.put(CHECKPOINT, {STEP: torch.tensor([step])}, meta=[{"dir": str(tmp)}])
-        waiting = set(parts)
+        waiting = set(self.ctx.wiring.checkpoint)  # every process of the stateful groups
         while waiting:
             batch = self.client.claim(CHECKPOINT_ACKS, "trainer", [STEP], 64, timeout=5.0)
             for s, meta in zip(batch.tensor(STEP).tolist() if batch else [], batch.meta or [], strict=False):
@@ -326,7 +324,7 @@ class TrainerService(Service):
                 raise RuntimeError(f"the run ended while checkpoint {step} waited for {sorted(waiting)}")
         self.client.snapshot(tmp / "dataplane")
         ckpt.save_json(tmp / "recipe.json", json.loads((run_dir / "config.json").read_text()))
-        final = ckpt.commit(tmp, step, self.ctx.recipe.keep_checkpoints)
+        final = ckpt.commit(tmp, step, self.ctx.run.keep_checkpoints)
         self.client.put(CHECKPOINT, {STEP: torch.tensor([step])}, meta=[{ckpt.DONE: True}])
         if self.world > 1:
             dist.barrier()
