@@ -1,8 +1,9 @@
 """Everything that can be wrong with a recipe on a given device list, found before anything starts.
 
 `problems(recipe, devices, wiring)` lists them all, each naming the recipe field to change: the device
-list itself, the colocation rings, the number of devices, and each service config's own `check`
-against the recipe and its wiring (paths, engines, the settings handed to it). The wiring's own
+list itself, the colocation rings (each member able to share devices: `shares_devices`), the number of
+devices, and each service config's own `check` against the run's settings, its group and its wiring
+(paths, engines, batch arithmetic, the settings handed to it). The wiring's own
 problems (a column someone reads that nobody writes, a write nobody reads: meshrl/planning/wiring.py)
 come with them. Rules that belong to one role or engine live in that config's `check`, not here.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from meshrl.planning.recipe import ColocationRing, Recipe, Scheduling, ServiceGroup
+from meshrl.planning.recipe import ColocationRing, Recipe, RunSettings, Scheduling, ServiceGroup
 
 if TYPE_CHECKING:
     from meshrl.planning.topology import Device
@@ -27,8 +28,9 @@ def problems(recipe: Recipe, devices: Sequence[Device], wiring: dict[str, Wiring
     for ring in recipe.rings:
         out += _ring(recipe, ring, ring_of, wiring)
     out += _device_count(recipe, len(devices))
+    run = RunSettings.of(recipe)
     for g in recipe.groups:
-        out += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(recipe, g, wiring[g.id])]
+        out += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(run, g, wiring[g.id])]
     return out
 
 
@@ -89,6 +91,8 @@ def _ring(
 
 
 def _ring_member(where: str, ring: ColocationRing, g: ServiceGroup) -> Iterator[str]:
+    if (why := g.config.shares_devices()) is not None:
+        yield f"{where}.members: {g.id!r} cannot take turns on shared devices: {why}"
     if g.devices_per_replica == 0:
         yield f"{where}.members: {g.id!r} uses no devices; only device roles take turns"
     elif ring.hybrid and g.devices_per_replica != 1:

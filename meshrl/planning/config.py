@@ -4,8 +4,8 @@ A config lists every problem of its own fields at once (`validate`), each as "fi
 fields typed `Literal[...]` are checked against their allowed values here, for every config, so no
 config repeats that check. A service's config also declares its side of the run's wiring (what it
 reads and writes, whose weights it follows, the settings it needs and offers: meshrl/planning/wiring.py)
-and checks itself against the recipe and its wiring (`check`), which the planner calls before anything
-starts.
+and checks itself against what its service will be handed (`check`: the run's settings, its group, its
+wiring; never another group's config), which the planner calls before anything starts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Read, Wiring, Write
 
 
@@ -98,11 +98,17 @@ class ServiceConfig(Config):
         """Settings this service offers to groups that need them, by name."""
         return {}
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
-        """Problems of this config in the context of the recipe (paths, devices, rings) and of its wiring
-        (the settings handed to it). Each message names the field. Called by the planner before anything
-        starts; problems between groups are the planner's (meshrl/planning/checks.py, wiring.py)."""
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
+        """Problems of this config given what its service will be handed (the recipe-wide settings, its
+        wiring: the settings handed to it) and its group (devices, replicas): paths, engines, batch
+        arithmetic. Each message names the field. Called by the planner before anything starts; problems
+        between groups are the planner's (meshrl/planning/checks.py, wiring.py)."""
         return []
+
+    def shares_devices(self) -> str | None:
+        """Why this service cannot take turns on devices it shares in a colocation ring (it cannot
+        offload what it holds there), or None when it can."""
+        return None
 
 
 def literal_problems(obj: Any) -> list[str]:

@@ -15,7 +15,7 @@ from meshrl.planning.wiring import Read
 from meshrl.schema import PROMPT, RESPONSE, SAMPLES, SEGMENTS
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 
@@ -44,7 +44,7 @@ class ScorerConfig(ServiceConfig):
         # an agent program's samples come in segments (meshrl/envs/sessions.py)
         return (Read("score", SAMPLES, (PROMPT, RESPONSE), optional=(SEGMENTS,)),)
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))

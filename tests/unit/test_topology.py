@@ -195,8 +195,8 @@ def test_a_vllm_engine_cannot_take_turns_in_a_ring(tmp_path):
 
     msg = problems(ring_recipe("vllm"), cluster(1, 1))
     assert (
-        "groups['inference'].config.engine: 'inference' in ring 'shared' uses the vllm engine, which cannot "
-        "offload (its weights and KV cache would stay on the devices through the other members' turns)"
+        "rings['shared'].members: 'inference' cannot take turns on shared devices: its engine is vllm, which "
+        "cannot offload (its weights and KV cache would stay on the devices through the other members' turns)"
     ) in msg, msg
     assert plan(ring_recipe("hf"), cluster(1, 1)).replicas
 

@@ -20,7 +20,7 @@ from meshrl.schema import CALLS, GENERATED, PROMPT, SAMPLES, TASKS, TRAJECTORY_S
 
 if TYPE_CHECKING:
     from meshrl.envs import Limits
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 
@@ -159,7 +159,7 @@ class AgentsConfig(ServiceConfig):
     def needs(self) -> dict[str, str]:
         return {"turn_tokens": "an inference group generates the calls (its max_new_tokens bounds one)"}
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         if not Path(self.model).exists():
             return [missing(self.model)]
         turn = int(wiring.inputs.get("turn_tokens") or 0)

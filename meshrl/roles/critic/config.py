@@ -14,7 +14,7 @@ from meshrl.planning.wiring import Read, Write
 from meshrl.schema import PROMPT, RESPONSE, RETURNS, SAMPLES, SEGMENTS, VALID, VALUES
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 VALUES_CONSUMER = "critic-values"
@@ -74,14 +74,14 @@ class CriticConfig(ServiceConfig):
     def writes(self) -> tuple[Write, ...]:
         return (Write("values", SAMPLES, (VALUES,)),)
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))
         if group.replicas != 1 or group.devices_per_replica > 1:
             problems.append("replicas/devices_per_replica: the critic runs as one replica on one device")
-        if recipe.batch_size % self.mini_batches:
+        if run.batch_size % self.mini_batches:
             problems.append(
-                f"mini_batches: must divide the recipe's prompts_per_step x group_size ({recipe.batch_size})"
+                f"mini_batches: must divide the recipe's prompts_per_step x group_size ({run.batch_size})"
             )
         return problems

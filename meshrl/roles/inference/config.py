@@ -14,7 +14,7 @@ from meshrl.planning.wiring import Read, Write
 from meshrl.schema import CALLS, EVAL, GENERATED, PROMPT, SAMPLES
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 
@@ -80,7 +80,7 @@ class InferenceConfig(ServiceConfig):
     def offers(self) -> dict[str, Any]:
         return {"turn_tokens": self.max_new_tokens}
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if self.engine == "hf" and group.devices_per_replica > 1:
             problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
@@ -92,16 +92,16 @@ class InferenceConfig(ServiceConfig):
                 problems.append(
                     f"engine: {self.engine!r} needs {name}, which is not installed: {INSTALL[self.engine]}"
                 )
-            if (self.top_k or self.top_p < 1) and recipe.temperature > 0:
+            if (self.top_k or self.top_p < 1) and run.temperature > 0:
                 problems.append(
                     f"engine: with top_k / top_p, {name}'s logprobs are renormalised over the kept tokens and "
                     "would not match the trainer's; use the hf engine or turn truncation off"
                 )
-        ring = next((r.id for r in recipe.rings if group.id in {m.group for m in r.members}), None)
-        if ring is not None and self.engine == "vllm":
-            problems.append(
-                f"engine: {group.id!r} in ring {ring!r} uses the vllm engine, which cannot offload (its weights "
-                "and KV cache would stay on the devices through the other members' turns); use the hf engine "
-                "in a ring or give the group devices of its own"
-            )
         return problems
+
+    def shares_devices(self) -> str | None:
+        if self.engine == "vllm":
+            return ("its engine is vllm, which cannot offload (its weights and KV cache would stay on the devices "
+                    "through the other members' turns); use the hf engine in a ring or give the group devices of "
+                    "its own")  # fmt: skip
+        return None

@@ -34,7 +34,7 @@ from meshrl.schema import (
 )
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 SOURCES = ("env", "rm")
@@ -251,7 +251,7 @@ class RolloutConfig(ServiceConfig):
             return {"gae": GAESettings(gamma=self.gamma, lam=self.lam, whiten=self.whiten)}
         return {}
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))

@@ -13,7 +13,7 @@ from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.schema import SAMPLES, teacher_columns
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 
@@ -52,9 +52,9 @@ class TeacherConfig(ScorerConfig):
     def needs(self) -> dict[str, str]:
         return {"policy": "a teacher scores a trainer's samples: add a trainer group"}
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
-        problems = super().check(recipe, group, wiring)
-        if recipe.temperature <= 0:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
+        problems = super().check(run, group, wiring)
+        if run.temperature <= 0:
             problems.append("temperature: the recipe's must be > 0 for a teacher's distribution")
         student = wiring.inputs.get("policy")
         if not problems and student is not None and (why := vocab.mismatch(self.model, student)) is not None:

@@ -40,7 +40,7 @@ from meshrl.schema import (
 )
 
 if TYPE_CHECKING:
-    from meshrl.planning.recipe import Recipe, ServiceGroup
+    from meshrl.planning.recipe import RunSettings, ServiceGroup
     from meshrl.planning.wiring import Wiring
 
 _SECTIONS = {
@@ -167,16 +167,16 @@ class TrainerConfig(ServiceConfig):
     def offers(self) -> dict[str, Any]:
         return {"policy": self.model}
 
-    def check(self, recipe: Recipe, group: ServiceGroup, wiring: Wiring) -> list[str]:
+    def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []
         if not Path(self.model).exists():
             problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
         if group.replicas != 1:
             problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
         world = max(1, group.devices_per_replica)
-        if recipe.prompts_per_step % (world * self.mini_batches):
+        if run.prompts_per_step % (world * self.mini_batches):
             problems.append(
-                f"mini_batches: the recipe's prompts_per_step ({recipe.prompts_per_step}) must divide into "
+                f"mini_batches: the recipe's prompts_per_step ({run.prompts_per_step}) must divide into "
                 f"{self.mini_batches} mini-batches of whole groups on each of {world} trainer rank(s)"
             )
         return problems
