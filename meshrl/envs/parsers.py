@@ -151,6 +151,14 @@ def _closing(text: str, start: int) -> int:
     return -1
 
 
+def arguments(value: Any) -> dict[str, Any]:
+    """A call's arguments as an object (OpenAI sends them as JSON text); ValueError when they are text
+    that is not JSON. Anything but an object is the first argument's value."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else {}
+    return value if isinstance(value, dict) else {} if value is None else {"": value}
+
+
 def build_parser(kind: str, tools: Collection[str]) -> Parser:
     """The parser for a config's `parser` setting ("hermes" or "plain")."""
     if kind == "hermes":

@@ -28,7 +28,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from meshrl.envs.parsers import Parser
+from meshrl.envs.parsers import Parser, arguments
 
 Message = dict[str, Any]
 _DUMMY: list[Message] = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
@@ -152,10 +152,7 @@ class Renderer:
 def _call(call: Message) -> tuple[str, dict[str, Any]]:
     """A call's name and arguments (an OpenAI tool call: arguments as JSON text or an object)."""
     fn = call["function"]
-    args = fn.get("arguments") or {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            args = {"": args}
-    return str(fn["name"]), args if isinstance(args, dict) else {"": args}
+    try:
+        return str(fn["name"]), arguments(fn.get("arguments"))
+    except ValueError:
+        return str(fn["name"]), {"": fn.get("arguments")}

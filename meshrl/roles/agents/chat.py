@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from meshrl.envs.parsers import Parser
+from meshrl.envs.parsers import Parser, arguments
 
 Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
@@ -33,9 +33,8 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {401: "authentication_error", 404: "not_found_error"}.get(
-            status, "invalid_request_error"
-        )
+        errors = {401: "authentication_error", 404: "not_found_error"}
+        self.kind = kind or errors.get(status, "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
@@ -101,6 +100,9 @@ class ChatRequest(Struct):
 
 
 class SamplingIn(Struct):
+    """vLLM's sampling parameters, those this route honours (and three that change nothing here: it
+    returns each token's log-prob and no text, and routes no experts)."""
+
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Unit | None = None
     max_tokens: Count | None = None
@@ -110,11 +112,7 @@ class SamplingIn(Struct):
     n: Literal[1] = 1
     logprobs: int | None = None
     skip_special_tokens: bool | None = None
-    top_k: int | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
-    include_stop_str_in_output: bool | None = None
-    routed_experts_prompt_start: int | None = None  # verifiers' client, continuing a turn: nothing to route
+    routed_experts_prompt_start: int | None = None
 
 
 class GenerateRequest(Struct):
@@ -201,7 +199,7 @@ def _sampling(
     temperature: float | None, top_p: float | None, max_tokens: int | None, seed: int | None
 ) -> dict[str, Any]:
     asked = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed}
-    return {k: v for k, v in asked.items() if v is not None}
+    return {k: v for k, v in asked.items() if v is not None}  # fmt: skip
 
 
 def normalized(m: dict[str, Any]) -> dict[str, Any]:
@@ -217,28 +215,16 @@ def normalized(m: dict[str, Any]) -> dict[str, Any]:
     if m.get("tool_calls"):
         if m["role"] != "assistant":
             raise ApiError(400, "only assistant messages carry tool_calls", param="messages")
-        out["tool_calls"] = [
-            {
-                "type": "function",
-                "function": {"name": c["function"]["name"], "arguments": _args(c["function"])},
-            }
-            for c in m["tool_calls"]
-        ]
+        try:
+            calls = [
+                (c["function"]["name"], arguments(c["function"].get("arguments"))) for c in m["tool_calls"]
+            ]
+        except ValueError as e:
+            raise ApiError(400, f"a tool call's arguments are not JSON: {e}", param="messages") from None
+        out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
     if m["role"] == "tool" and m.get("name"):
         out["name"] = m["name"]
-    return out
-
-
-def _args(fn: dict[str, Any]) -> dict[str, Any]:
-    args = fn.get("arguments") or {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            raise ApiError(
-                400, f"the arguments of a call of {fn['name']} are not JSON", param="messages"
-            ) from None
-    return args if isinstance(args, dict) else {"": args}
+    return out  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -301,14 +287,8 @@ def assistant_message(text: str, call: Call, parser: Parser) -> tuple[dict[str, 
         for c in calls:
             text = text.replace(c.raw, "")
         message["content"] = text.strip() or None
-        message["tool_calls"] = [
-            {
-                "id": f"call_{k}",
-                "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
-            }
-            for k, c in enumerate(calls)
-        ]
+        message["tool_calls"] = [{"id": f"call_{k}", "type": "function", "function": {
+            "name": c.name, "arguments": json.dumps(c.arguments)}} for k, c in enumerate(calls)]  # fmt: skip
     return message, len(parsed), len(parsed) - len(calls)
 
 
@@ -363,8 +343,5 @@ def generate_response(out: Generated, prompt: Sequence[int], extra: dict[str, An
 
 
 def _usage(prompt: Sequence[int], out: Generated) -> dict[str, int]:
-    return {
-        "prompt_tokens": len(prompt),
-        "completion_tokens": len(out.ids),
-        "total_tokens": len(prompt) + len(out.ids),
-    }
+    n, m = len(prompt), len(out.ids)
+    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}

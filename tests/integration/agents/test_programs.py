@@ -163,6 +163,9 @@ def test_every_task_trains_once_as_one_sample(
         for m in metrics
     ), metrics[0]
     assert all((m["agent/sequences_mean"] > 1) == splits for m in metrics), metrics[0]
+    # the figures every kind of agent has: a program's tool calls are those the endpoint parsed (none here),
+    # its time in the environment its own time
+    assert all(m["agent/tool_calls_mean"] == 0 and m["agent/env_s_mean"] > 0 for m in metrics), metrics[0]
     # the trained completions hold both calls' answers where the calls joined or split
     samples = rows(run_dir / "samples.jsonl")
     if turns == 2:
