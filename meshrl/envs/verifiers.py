@@ -22,13 +22,15 @@ sandbox runtime, the taskset's harness (else `bash`); set what the machines runn
 service can host.
 
 The dataset rows are the taskset's tasks in their wire form (`task.data.model_dump()` of what the
-taskset's `load()` yields, as verifiers' env server receives them): each row is validated into the
-taskset's `TaskData` and played once. The episode runs with verifiers' training client
-(`TrainClientConfig`): it renders messages to token ids with the `renderers` package (hence
-`tokenizer`: the endpoint serves the policy under a name of its own) and posts them to the session's
+taskset's `load()` yields, as verifiers' env server receives them; `rollout.dataset="verifiers:<id>"`
+writes them: `taskset_rows`): each row is validated into the taskset's `TaskData` and played once.
+The episode runs with verifiers' training client (`TrainClientConfig`): it renders messages to token
+ids with the `renderers` package and the policy's tokenizer (`tokenizer`: the endpoint serves the
+policy under a name of its own) and posts them to the session's
 `/inference/v1/generate`, so the tokens trained are exactly those inference generated, whatever
 the harness does with the text. Sampling is the endpoint's (the run's temperature and turn length)
-unless `sampling` sets some of it.
+unless `sampling` sets some of it: the training client samples with the episode's settings and
+ignores what the harness's request asks for (its `max_tokens`, `stop`, `temperature`).
 
 Rewards: every trace's named rewards (weighted, as verifiers scores them), prefixed by the agent's name
 when the episode has several agents. Everything the episode's agents generated is trained, untrainable
@@ -100,6 +102,19 @@ async def _environment(environment: str, args: dict[str, Any]) -> Any:
     except Exception:
         _envs.pop(key, None)  # the next program tries again (and says why again)
         raise
+
+
+def taskset_rows(taskset: str, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every task of taskset `taskset` under taskset config `config` (its `TasksetConfig` fields), in
+    load order, as the rows a run trains on: the wire form verifiers sends
+    (`task.data.model_dump(mode="json")`, its `idx` set by position)."""
+    from verifiers.v1 import load_taskset, taskset_config_type
+
+    try:
+        loaded = load_taskset(taskset_config_type(taskset).model_validate({**config, "id": taskset}))
+        return [task.data.model_dump(mode="json") for task in loaded]
+    except ModuleNotFoundError as e:
+        raise ValueError(f"verifiers taskset {taskset!r}: {e}") from None
 
 
 def _load(environment: str, args: dict[str, Any]) -> Any:
