@@ -9,8 +9,7 @@ episode, played through the run's endpoint and trained as one sample under the e
                 "agent": {"runtime": {"type": "docker"}},
                 "taskset": {"task": {...}},
             },
-            "tokenizer": "Qwen/Qwen3-4B",                   # the policy's tokenizer (the endpoint's model)
-        })),
+        })),                                                # `tokenizer`: the endpoint's policy unless set
     ServiceGroup(id="endpoint", config=EndpointConfig(model=MODEL, name="policy")),
 
 v1 names an environment by config, not by a loader function: an `EnvConfig` whose `taskset.id` is an
@@ -25,8 +24,8 @@ The dataset rows are the taskset's tasks in their wire form (`task.data.model_du
 taskset's `load()` yields, as verifiers' env server receives them; `rollout.dataset="verifiers:<id>"`
 writes them: `taskset_rows`): each row is validated into the taskset's `TaskData` and played once.
 The episode runs with verifiers' training client (`TrainClientConfig`): it renders messages to token
-ids with the `renderers` package and the policy's tokenizer (`tokenizer`: the endpoint serves the
-policy under a name of its own) and posts them to the session's
+ids with the `renderers` package and the policy's tokenizer (`tokenizer`, else the local path the
+endpoint serves the policy from: its `/v1/models` card's `root`) and posts them to the session's
 `/inference/v1/generate`, so the tokens trained are exactly those inference generated, whatever
 the harness does with the text. Sampling is the endpoint's (the run's temperature and turn length)
 unless `sampling` sets some of it: the training client samples with the episode's settings and
@@ -45,6 +44,7 @@ need it (taskset-shared tool servers, an `Env.start()`) are refused.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -52,12 +52,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshrl.envs.programs import AgentRun
 
+if importlib.util.find_spec("verifiers") is None:  # a recipe naming this program fails at planning, saying so
+    raise ImportError("verifiers environments need verifiers 0.4.0: pip install 'meshrl[verifiers]'")
+
 KEY_VAR = "MESHRL_API_KEY"
 """Where the endpoint's key is put for verifiers' client, which reads its key from a variable (never
 from its config, which traces record); "API_KEY" in the name keeps it from local harness processes."""
 
 _envs: dict[str, asyncio.Future[Any]] = {}
 """Loaded environments by config (programs run many at once on one event loop: one load each)."""
+_policies: dict[str, asyncio.Future[str]] = {}
+"""The policy's local path by endpoint (asked once per process)."""
 
 
 async def run_episode(
@@ -70,8 +75,9 @@ async def run_episode(
     """One verifiers episode of `run.task`; its rewards (named parts).
 
     `environment`: the taskset id; `environment_args`: the rest of the env config (module docstring).
-    `tokenizer`: the policy's tokenizer (name or path) for verifiers' renderer; None: `run.model`.
-    `sampling`: sampling knobs sent with every call (`max_tokens`, `temperature`, ...)."""
+    `tokenizer`: the policy's tokenizer (name or path) for verifiers' renderer; None: the policy's
+    local path, as the endpoint serves it. `sampling`: sampling knobs sent with every call
+    (`max_tokens`, `temperature`, ...)."""
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
 
     env = await _environment(environment, environment_args or {})
@@ -81,7 +87,7 @@ async def run_episode(
     client = TrainClientConfig(
         base_url=run.base_url,  # /v1 kept: it asks <base>/models, and posts to <base less /v1>/inference/...
         api_key_var=KEY_VAR,
-        renderer_model_name=tokenizer or run.model,
+        renderer_model_name=tokenizer or await _policy(run),
     )
     ctx = ModelContext(model=run.model, client=client, sampling=SamplingConfig(**(sampling or {})))
     episode = await env.run_episode(task, ctx)
@@ -102,6 +108,30 @@ async def _environment(environment: str, args: dict[str, Any]) -> Any:
     except Exception:
         _envs.pop(key, None)  # the next program tries again (and says why again)
         raise
+
+
+async def _policy(run: AgentRun) -> str:
+    """Where the endpoint serves the policy from (its model card's `root`, as vLLM's says; `run.model`
+    for a server whose card has none): the tokenizer verifiers' renderer loads."""
+    server = run.base_url.split("/s/", 1)[0]  # the endpoint, whatever the session
+    asking = _policies.get(server)
+    if asking is None or asking.get_loop() is not asyncio.get_running_loop():
+        asking = _policies[server] = asyncio.ensure_future(_root(run))
+    try:
+        return await asyncio.shield(asking)
+    except Exception:
+        _policies.pop(server, None)
+        raise
+
+
+async def _root(run: AgentRun) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as http:
+        reply = await http.get(f"{run.base_url}/models", headers={"Authorization": f"Bearer {run.api_key}"})
+        reply.raise_for_status()
+    card = next((c for c in reply.json().get("data", []) if c.get("id") == run.model), {})
+    return str(card.get("root") or run.model)
 
 
 def taskset_rows(taskset: str, config: dict[str, Any]) -> list[dict[str, Any]]:

@@ -165,6 +165,7 @@ class EndpointService(Service):
         card = {
             "object": "model",
             "owned_by": "meshrl",
+            "root": self.config.model,  # the policy's local path, as vLLM's card has it (tokenizers follow it)
             "max_model_len": self.max_prompt + self.max_new,
         }
         return JSONResponse({"object": "list", "data": [{"id": n, **card} for n in self.config.names]})
