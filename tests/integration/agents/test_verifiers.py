@@ -1,6 +1,7 @@
 """verifiers v1 environments trained as agent programs (meshrl/envs/verifiers.py): real processes, CPU,
 the tiny model, a taskset of the test tree's own (tests/integration/agents/vf/vf_arith.py) whose harness
-runs in-process. Every task is one episode, trained once; what is trained is what verifiers received."""
+runs in-process, and recipes/agent_verifiers.py on meshrl's own taskset (meshrl/tasks/vf_sums.py).
+Every task is one episode, trained once; what is trained is what verifiers received."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 from meshrl.dataplane.ledger import account
 from tests.conftest import free_base_port
 from tests.integration.agents.test_programs import RECIPE, SMALL, counts
-from tests.integration.grpo.test_grpo import REPO, rows
+from tests.integration.grpo.test_grpo import REPO, rows, run
+
+AGENT_VERIFIERS = str(REPO / "recipes" / "agent_verifiers.py")
 
 TASKSET = Path(__file__).resolve().parent / "vf"
 """v1 imports a taskset by its id as a top-level module: this folder goes on PYTHONPATH."""
@@ -82,3 +85,32 @@ def test_every_task_is_one_episode_trained_once(tmp_path: Path, arith_model: Pat
             logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
         own = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
         assert torch.allclose(own, torch.tensor(logprobs), atol=1e-4), (own, logprobs)
+
+
+def test_the_verifiers_recipe_trains_meshrls_taskset_by_its_id(tmp_path: Path, arith_model: Path) -> None:
+    """recipes/agent_verifiers.py, two small steps, nothing on PYTHONPATH but the repository: rollout
+    and the agents service both resolve the taskset `meshrl-vf-sums` by its id; rollout feeds its rows
+    less the 20 held out; the renderer's tokenizer is the policy the endpoint serves (the recipe names
+    none); every episode is played and scored by verifiers."""
+    from meshrl.tasks import arith
+
+    run_dir = tmp_path / "run"
+    r = run(
+        tmp_path,
+        f"*.model={arith_model}",
+        "total_steps=2",
+        *SMALL,
+        f"run_dir={run_dir}",
+        recipe=AGENT_VERIFIERS,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = counts(run_dir, "agents")
+    assert done.get("failed", 0) == 0 and done["finished"] >= 2 * 16 and done["calls"] == done["finished"], (
+        done
+    )
+    assert [list(row) for row in rows(run_dir / "rewards.jsonl")][-1][-1] == "reward/env_correct"
+    log = "".join(p.read_text() for p in (run_dir / "logs").glob("agents-*.log"))
+    assert f"renderer matched '{arith_model}'" in log  # the endpoint's policy: its card's root, not "policy"
+    held_out = {f"<|user|>{row['prompt']}<|assistant|>" for row in arith.split()[1]}
+    trained = {s["prompt"] for s in rows(run_dir / "samples.jsonl")}
+    assert trained and not trained & held_out, trained
