@@ -10,6 +10,7 @@ from typing import Any
 import openai
 
 from meshrl.envs.programs import AgentRun
+from meshrl.envs.sessions import parse_token
 from meshrl.tasks.arith import reward
 from meshrl.tasks.arith.agent import solve
 
@@ -53,3 +54,13 @@ async def flaky(run: AgentRun) -> Any:
     if n == 1:
         await asyncio.sleep(3600)
     return "not a reward" if n == 2 else answer
+
+
+async def fails_ahead(run: AgentRun) -> Any:
+    """`solve` two seconds late on the first step's tasks; every later task fails at once, before the
+    weights it was fed for exist (its session's min_version, in the base URL, is >= 1)."""
+    _, min_version = parse_token(run.base_url.rstrip("/").split("/")[-2])
+    if min_version >= 1:
+        raise RuntimeError("failing at once, ahead of the weights")
+    await asyncio.sleep(2)
+    return await solve(run)
