@@ -130,7 +130,7 @@ async def _root(run: AgentRun) -> str:
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as http:
         reply = await http.get(f"{run.base_url}/models", headers={"Authorization": f"Bearer {run.api_key}"})
         reply.raise_for_status()
-    card = next((c for c in reply.json().get("data", []) if c.get("id") == run.model), {})
+    card: dict[str, Any] = next((c for c in reply.json().get("data", []) if c.get("id") == run.model), {})
     return str(card.get("root") or run.model)
 
 
