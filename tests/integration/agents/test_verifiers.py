@@ -114,3 +114,31 @@ def test_the_verifiers_recipe_trains_meshrls_taskset_by_its_id(tmp_path: Path, a
     held_out = {f"<|user|>{row['prompt']}<|assistant|>" for row in arith.split()[1]}
     trained = {s["prompt"] for s in rows(run_dir / "samples.jsonl")}
     assert trained and not trained & held_out, trained
+
+
+WITHOUT_VERIFIERS = """
+import importlib.util, sys
+found = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: None if name == "verifiers" else found(name, package)
+from meshrl.planning import prepare
+from meshrl.planning.config import RecipeError
+try:
+    prepare(sys.argv[1], [f"*.model={sys.argv[2]}"])
+except RecipeError as e:
+    print(e)
+"""
+
+
+def test_a_verifiers_recipe_without_verifiers_says_what_to_install(tiny_model: Path) -> None:
+    """Planning recipes/agent_verifiers.py where verifiers is not installed (as find_spec reports it)
+    refuses it at start-up, for the dataset and for the program, naming the extra to install."""
+    r = subprocess.run([sys.executable, "-c", WITHOUT_VERIFIERS, AGENT_VERIFIERS, str(tiny_model)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (
+        "dataset: 'verifiers:meshrl-vf-sums' needs verifiers 0.4.0: pip install 'meshrl[verifiers]'"
+        in r.stdout
+    )
+    assert (
+        "program 'meshrl.envs.verifiers:run_episode'" in r.stdout and r.stdout.count("meshrl[verifiers]") == 2
+    )
