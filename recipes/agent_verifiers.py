@@ -12,6 +12,9 @@ renders the messages with the policy's tokenizer and posts token ids to the endp
 `/inference/v1/generate`; inference generates every call; the episode's named rewards
 (`reward/env_correct` in rewards.jsonl) are the trajectory's reward. `rollout.dataset_kwargs` is the
 taskset's config (`{"two_digit": 100}` adds 100 two-digit sums the warm start cannot do).
+
+Measured here (2 shared cores, runs/arith-sft by the demo's warm start): reward mean over the first 10
+steps -> the last 10, 0.098 -> 0.210 (seed 0, 953 s) and 0.105 -> 0.218 (seed 1, 783 s).
 """
 
 from meshrl.engines.settings import OptimConfig
@@ -31,7 +34,7 @@ ENVIRONMENT = {"agent": {"runtime": {"type": "subprocess"}}}
 def recipe() -> Recipe:
     return Recipe(
         name="agent_verifiers",
-        total_steps=60,
+        total_steps=40,
         seed=0,
         prompts_per_step=16,
         group_size=8,
