@@ -38,13 +38,13 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check meshrl tests benchmarks recipes
-	$(VENV)/bin/ruff format --check meshrl tests benchmarks recipes
+	$(VENV)/bin/ruff check meshrl meshrl_vf_sums tests benchmarks recipes
+	$(VENV)/bin/ruff format --check meshrl meshrl_vf_sums tests benchmarks recipes
 	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff check --fix meshrl tests benchmarks recipes
-	$(VENV)/bin/ruff format meshrl tests benchmarks recipes
+	$(VENV)/bin/ruff check --fix meshrl meshrl_vf_sums tests benchmarks recipes
+	$(VENV)/bin/ruff format meshrl meshrl_vf_sums tests benchmarks recipes
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .mypy_cache .ruff_cache

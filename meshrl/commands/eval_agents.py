@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,7 +155,10 @@ class EngineModel:
 
 async def _programs(agents: Any, renderer: Any, engine: Any, inference: Any, recipe: Any,
                     rows: list[dict[str, Any]], members: list[tuple[int, int]]) -> list[Played]:  # fmt: skip
-    """Every member's program, all at once, against the endpoint served in-process by the engine."""
+    """Every member's program, all at once, against the endpoint served by the engine (in-process to the
+    session's clients, over HTTP on a free loopback port to a program's own: verifiers' client is one)."""
+    import socket
+
     import httpx
 
     from meshrl.envs.base import reward_parts
@@ -172,11 +176,14 @@ async def _programs(agents: Any, renderer: Any, engine: Any, inference: Any, rec
     endpoint = Endpoint(renderer, model, names=agents.names, budget=agents.budget(), max_new=inference.max_new_tokens,
                         call_timeout_s=agents.call_timeout_s)  # fmt: skip
     transport = httpx.ASGITransport(app=endpoint.app())
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
 
     async def play(i: int, k: int) -> Played:
         session = endpoint.sessions[f"{i}.{k}"] = Session(f"{i}.{k}")
-        run = AgentRun(task=rows[i], model=agents.names[0], base_url=f"http://eval/s/{session.key}/v1", api_key="meshrl",
-                       tokenizer=agents.model, transport=transport)  # fmt: skip
+        run = AgentRun(task=rows[i], model=agents.names[0], base_url=f"http://127.0.0.1:{port}/s/{session.key}/v1",
+                       api_key="meshrl", tokenizer=agents.model, transport=transport)  # fmt: skip
         try:
             if asyncio.iscoroutinefunction(program):
                 value = await program(run, **args)
@@ -184,8 +191,9 @@ async def _programs(agents: Any, renderer: Any, engine: Any, inference: Any, rec
                 run.open()
                 value = await asyncio.to_thread(program, run, **args)
             rewards = reward_parts(value)
-        except Exception:
+        except Exception as e:
             rewards = {}
+            failures.append(f"{type(e).__name__}: {e}")
         finally:
             await run.aclose()
         return Played(
@@ -196,11 +204,21 @@ async def _programs(agents: Any, renderer: Any, engine: Any, inference: Any, rec
             session.malformed,
         )
 
-    generating = asyncio.create_task(model.run())
+    failures: list[str] = []
+    listening = asyncio.Event()
+    jobs = [
+        asyncio.create_task(model.run()),
+        asyncio.create_task(endpoint.serve("127.0.0.1", port, listening)),
+    ]
     try:
+        await listening.wait()
         return list(await asyncio.gather(*(play(i, k) for i, k in members)))
     finally:
-        generating.cancel()
+        for j in jobs:
+            j.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        for why in failures[:3]:
+            print(f"meshrl eval: a trajectory failed ({len(failures)} in all): {why}", file=sys.stderr)
 
 
 def report(members: list[tuple[int, int]], played: list[Played]) -> dict[str, Any]:

@@ -51,6 +51,9 @@ class AgentRun:
     api_key: str
     tokenizer: str = ""
     """The policy's tokenizer (a local path): for agents that render prompts themselves (the token route)."""
+    min_version: int = 0
+    """The oldest weight version this task's calls are generated with (the run's pacing: a call waits
+    for it)."""
     transport: Any = None
     """The in-process route to the endpoint (an httpx async transport), None: real HTTP."""
 

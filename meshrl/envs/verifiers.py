@@ -1,17 +1,16 @@
 """verifiers v1 environments as agent programs (meshrl/envs/programs.py): each task is one verifiers
-episode, played through the run's endpoint and trained as one sample under the episode's reward.
+episode, played through the agents service's endpoint and trained as one sample under its reward.
 
     ServiceGroup(id="agents", config=AgentsConfig(
-        program="meshrl.envs.verifiers:run_episode",
-        program_args={
-            "environment": "my-taskset",                    # the taskset package (`--env.taskset.id`)
-            "environment_args": {                           # the rest of the env config (`[env]`)
-                "agent": {"runtime": {"type": "docker"}},
-                "taskset": {"task": {...}},
-            },
-            "tokenizer": "Qwen/Qwen3-4B",                   # the policy's tokenizer (the endpoint's model)
+        model=MODEL,
+        verifiers="my-taskset",                             # the taskset id (`--env.taskset.id`)
+        args={                                              # the rest of the env config (`[env]`)
+            "agent": {"runtime": {"type": "subprocess"}},
+            "taskset": {"task": {...}},
         })),
-    ServiceGroup(id="endpoint", config=EndpointConfig(model=MODEL, name="policy")),
+
+(the same as `program="meshrl.envs.verifiers:run_episode"` with `args={"environment": "my-taskset",
+"environment_args": {...}}`, the form that also takes `tokenizer` and `sampling`).
 
 v1 names an environment by config, not by a loader function: an `EnvConfig` whose `taskset.id` is an
 installed package exporting a `Taskset` (and, optionally, its own `Harness` and `Env`), plus the env's
@@ -22,13 +21,15 @@ sandbox runtime, the taskset's harness (else `bash`); set what the machines runn
 service can host.
 
 The dataset rows are the taskset's tasks in their wire form (`task.data.model_dump()` of what the
-taskset's `load()` yields, as verifiers' env server receives them): each row is validated into the
-taskset's `TaskData` and played once. The episode runs with verifiers' training client
-(`TrainClientConfig`): it renders messages to token ids with the `renderers` package (hence
-`tokenizer`: the endpoint serves the policy under a name of its own) and posts them to the session's
+taskset's `load()` yields, as verifiers' env server receives them; `rollout.dataset="verifiers:<id>"`
+writes them: `taskset_rows`): each row is validated into the taskset's `TaskData` and played once.
+The episode runs with verifiers' training client (`TrainClientConfig`): it renders messages to token
+ids with the `renderers` package and the policy's tokenizer (`tokenizer`, else the policy's local path,
+`run.tokenizer`: it follows `*.model`) and posts them to the session's
 `/inference/v1/generate`, so the tokens trained are exactly those inference generated, whatever
 the harness does with the text. Sampling is the endpoint's (the run's temperature and turn length)
-unless `sampling` sets some of it.
+unless `sampling` sets some of it: the training client samples with the episode's settings and
+ignores what the harness's request asks for (its `max_tokens`, `stop`, `temperature`).
 
 Rewards: every trace's named rewards (weighted, as verifiers scores them), prefixed by the agent's name
 when the episode has several agents. Everything the episode's agents generated is trained, untrainable
@@ -43,12 +44,16 @@ need it (taskset-shared tool servers, an `Env.start()`) are refused.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshrl.envs.programs import AgentRun
+
+if importlib.util.find_spec("verifiers") is None:  # a recipe naming this program fails at planning, saying so
+    raise ImportError("verifiers environments need verifiers 0.4.0: pip install 'meshrl[verifiers]'")
 
 KEY_VAR = "MESHRL_API_KEY"
 """Where the endpoint's key is put for verifiers' client, which reads its key from a variable (never
@@ -68,8 +73,9 @@ async def run_episode(
     """One verifiers episode of `run.task`; its rewards (named parts).
 
     `environment`: the taskset id; `environment_args`: the rest of the env config (module docstring).
-    `tokenizer`: the policy's tokenizer (name or path) for verifiers' renderer; None: `run.model`.
-    `sampling`: sampling knobs sent with every call (`max_tokens`, `temperature`, ...)."""
+    `tokenizer`: the policy's tokenizer (name or path) for verifiers' renderer; None: the policy's
+    local path (`run.tokenizer`). `sampling`: sampling knobs sent with every call
+    (`max_tokens`, `temperature`, ...)."""
     from verifiers.v1 import ModelContext, SamplingConfig, TrainClientConfig
 
     env = await _environment(environment, environment_args or {})
@@ -79,7 +85,7 @@ async def run_episode(
     client = TrainClientConfig(
         base_url=run.base_url,  # /v1 kept: it asks <base>/models, and posts to <base less /v1>/inference/...
         api_key_var=KEY_VAR,
-        renderer_model_name=tokenizer or run.model,
+        renderer_model_name=tokenizer or run.tokenizer or run.model,
     )
     ctx = ModelContext(model=run.model, client=client, sampling=SamplingConfig(**(sampling or {})))
     episode = await env.run_episode(task, ctx)
@@ -100,6 +106,19 @@ async def _environment(environment: str, args: dict[str, Any]) -> Any:
     except Exception:
         _envs.pop(key, None)  # the next program tries again (and says why again)
         raise
+
+
+def taskset_rows(taskset: str, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every task of taskset `taskset` under taskset config `config` (its `TasksetConfig` fields), in
+    load order, as the rows a run trains on: the wire form verifiers sends
+    (`task.data.model_dump(mode="json")`, its `idx` set by position)."""
+    from verifiers.v1 import load_taskset, taskset_config_type
+
+    try:
+        loaded = load_taskset(taskset_config_type(taskset).model_validate({**config, "id": taskset}))
+        return [task.data.model_dump(mode="json") for task in loaded]
+    except ModuleNotFoundError as e:
+        raise ValueError(f"verifiers taskset {taskset!r}: {e}") from None
 
 
 def _load(environment: str, args: dict[str, Any]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -106,3 +107,47 @@ def test_dataset_settings_are_checked_all_at_once():
     assert [p.split(":")[0] for p in e.value.problems] == ["max_rows", "eval_size"]
     with pytest.raises(RecipeError, match="streaming: needs max_rows"):
         RolloutConfig(model=".", rewards=ARITH, streaming=True)
+
+
+def test_a_verifiers_taskset_is_the_rows_with_a_held_out_split_by_seed():
+    """`verifiers:<taskset id>`: the taskset's tasks in verifiers' wire form, its config from
+    dataset_kwargs, `eval_size` of them held out, the same ones every time (meshrl's own taskset,
+    resolved by its id as verifiers resolves it: no folder on PYTHONPATH)."""
+    pytest.importorskip("verifiers")
+    from meshrl.tasks import arith
+
+    cfg = RolloutConfig(model=".", rewards={"env": 1.0}, dataset="verifiers:meshrl-vf-sums", eval_size=20)
+    train, held_out = load_rows(cfg)
+    assert len(train) == 80 and len(held_out) == 20
+    assert train[0]["prompt"] == "0+0=" and train[0]["answer"] == "0" and train[0]["idx"] == 0
+    assert {"network_allow", "timeout", "system_prompt"} <= set(train[0])  # TaskData's fields, all of them
+    demo_train, demo_eval = (
+        arith.split()
+    )  # seed 0: the demo's held-out problems, which its warm start never saw
+    assert [r["prompt"] for r in held_out] == [r["prompt"] for r in demo_eval]
+    assert [r["prompt"] for r in train] == [r["prompt"] for r in demo_train]
+    assert load_rows(cfg) == (train, held_out)
+    mixed = dataclasses.replace(cfg, dataset_kwargs={"two_digit": 50}, eval_size=None, max_rows=120)
+    train, held_out = load_rows(mixed)
+    assert held_out == [] and len(train) == 120 and train[-1]["idx"] == 119
+    assert sum(len(r["answer"]) == 3 or r["prompt"].index("+") == 2 for r in train) >= 20  # two-digit terms
+
+
+def test_a_verifiers_taskset_that_cannot_load_says_which_setting_to_change():
+    pytest.importorskip("verifiers")
+    cases = [
+        ("verifiers:no-such-taskset", {}, None, "taskset 'no-such-taskset' not found"),
+        (
+            "verifiers:meshrl-vf-sums",
+            {"two_digits": 5},
+            None,
+            r"(?s)dataset_kwargs \{'two_digits': 5\}.*two_digits.*Extra inputs",
+        ),
+        ("verifiers:meshrl-vf-sums", {}, 100, "rollout.eval_size=100 holds out all 100 tasks"),
+    ]
+    for dataset, kwargs, eval_size, message in cases:
+        cfg = RolloutConfig(
+            model=".", rewards={"env": 1.0}, dataset=dataset, dataset_kwargs=kwargs, eval_size=eval_size
+        )
+        with pytest.raises(ValueError, match=message):
+            load_rows(cfg)

@@ -171,12 +171,10 @@ class AgentsConfig(ServiceConfig):
         absent = [m for m in ("starlette", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
         if absent:
             return [f"agent programs need {' and '.join(absent)}: pip install 'meshrl[agents]'"]
+        if self.kind == "verifiers" and importlib.util.find_spec("verifiers") is None:
+            return ["verifiers: verifiers environments need verifiers 0.4.0: pip install 'meshrl[verifiers]'"]
         if self.kind == "verifiers":
-            return (
-                []
-                if importlib.util.find_spec("verifiers")
-                else ["verifiers: pip install 'meshrl[verifiers]'"]
-            )
+            return []
         return program_problems(str(self.program), self.args)
 
 

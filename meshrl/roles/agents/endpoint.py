@@ -21,6 +21,7 @@ the counts are (`Endpoint.counts`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import Counter, OrderedDict
@@ -142,6 +143,29 @@ class Endpoint:
         self.counts[f"http_{status}"] += 1
         if len(self.errors) < 20:  # the service logs them (and empties the list) with its counts
             self.errors.append(why)
+
+    async def serve(self, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+        """Serve the routes over HTTP until cancelled (uvicorn, without its signal handlers: the process's
+        own shut it down; its log quiet: failures are counted here); `ready` is set once it listens."""
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Any:
+                yield
+
+        server = Server(uvicorn.Config(self.app(), host=host, port=port, log_level="critical", access_log=False,
+                                       lifespan="off"))  # fmt: skip
+        serving = asyncio.ensure_future(server.serve())
+        try:
+            while ready is not None and not server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            if ready is not None:
+                ready.set()
+            await serving
+        finally:
+            server.should_exit = True
+            await asyncio.gather(serving, return_exceptions=True)
 
     async def models(self, request: Any) -> Any:
         from starlette.responses import JSONResponse

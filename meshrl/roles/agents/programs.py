@@ -14,7 +14,6 @@ as it arrives. When the program returns, its session's calls are its trajectory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import itertools
 import json
@@ -99,23 +98,9 @@ class Programs:
         return f"; calls {counts}" + (f"; failed requests: {errors}" if errors else "")
 
     async def http(self) -> None:
-        """The endpoint over HTTP, for programs' own clients (uvicorn, without its signal handlers: the
-        service's own shut it down; its log is quiet: failures are counted and logged by the service)."""
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Any:
-                yield
-
-        config = uvicorn.Config(self.endpoint.app(), host=self.service.config.host, port=self.service.ctx.process.ports[HTTP],
-                                log_level="critical", access_log=False, lifespan="off")  # fmt: skip
-        server = Server(config)
+        """The endpoint over HTTP, for programs' own clients."""
         self.service.log.info("serving %s/v1 (model %s)", self.url, self.service.config.names[0])
-        try:
-            await server.serve()
-        finally:
-            server.should_exit = True
+        await self.endpoint.serve(self.service.config.host, self.service.ctx.process.ports[HTTP])
 
     async def begin(self, batch: Batch, i: int) -> None:
         """Run the task's program, then write its trajectory (reward NaN when it failed or made no call)."""
@@ -127,7 +112,7 @@ class Programs:
         )
         run = AgentRun(task=json.loads(str(row.get(TASK) or "{}")), model=cfg.names[0],
                        base_url=f"{self.url}/s/{session.key}/v1", api_key=s.ctx.secret or "meshrl",
-                       tokenizer=cfg.model, transport=self.transport)  # fmt: skip
+                       tokenizer=cfg.model, min_version=session.min_version, transport=self.transport)  # fmt: skip
         started, since = time.time(), time.monotonic()
         try:
             value, failed = await self.play(run, session)

@@ -128,7 +128,7 @@ class Scoring:
                 continue
             # a version's evaluation rows are put before anything generated with it is scored: inference
             # has them (and generates them with that version) before the trainer can publish the next
-            await self.until_gated(max(int(v or 0) for v in batch.meta_of(MIN_VERSION, 0)))
+            await self.until_gated(generated_with(batch))
             async with pause.work():
                 if await self.score(client, batch, persist):
                     self.check_filtered()
@@ -307,6 +307,19 @@ class Scoring:
             ADVANTAGE: [advantage[k, : lengths[k]] for k in rows],
             RETURNS: [returns[k, : lengths[k]] for k in rows],
         }
+
+
+def generated_with(batch: Batch) -> int:
+    """The newest weight version any row of `batch` was generated with at the earliest (its MIN_VERSION),
+    over the rows whose environment or agent program did not fail them (a NaN ENV_REWARD). A failed
+    trajectory can be written before the version it was fed for exists (a program that fails at once,
+    an episode whose connection timed out): waiting for that version's gate would hold this loop, and
+    with it the rest of the current step, which the trainer needs to publish that version."""
+    needs = [int(v or 0) for v in batch.meta_of(MIN_VERSION, 0)]
+    if ENV_REWARD in batch:
+        played = batch.tensor(ENV_REWARD).isfinite().tolist()
+        needs = [n for n, ok in zip(needs, played, strict=True) if ok]
+    return max(needs, default=0)
 
 
 def outcome_advantages(

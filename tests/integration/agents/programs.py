@@ -53,3 +53,12 @@ async def flaky(run: AgentRun) -> Any:
     if n == 1:
         await asyncio.sleep(3600)
     return "not a reward" if n == 2 else answer
+
+
+async def fails_ahead(run: AgentRun) -> Any:
+    """`solve` two seconds late on the first step's tasks; every later task fails at once, before the
+    weights it was fed for exist (its calls may use no version older than 1)."""
+    if run.min_version >= 1:
+        raise RuntimeError("failing at once, ahead of the weights")
+    await asyncio.sleep(2)
+    return await solve(run)

@@ -185,6 +185,22 @@ def test_failing_programs_are_counted_and_never_trained(tmp_path: Path, arith_mo
     assert done["failed_raised"] and done["failed_timeout"] and done["failed_bad_reward"], done
 
 
+def test_trajectories_failed_ahead_of_their_weights_do_not_stall_the_step_before(
+    tmp_path: Path, arith_model: Path
+) -> None:
+    """The second step's programs fail at once, before the weights they were fed for exist, while the
+    first step's are still running: rollout scores those failed groups without waiting for that
+    version's gate (which the first step's scoring must come first for), and the run finishes."""
+    run_dir = tmp_path / "run"
+    r = run(tmp_path, f"*.model={arith_model}", "total_steps=2", *SMALL, f"run_dir={run_dir}",
+            f"agents.program={PROGRAMS}:fails_ahead", "rollout.max_failed_fraction=1.0", recipe=RECIPE,
+            timeout=240)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = counts(run_dir)
+    assert done["failed"] == 16 and done["finished"] == 32, done
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == [0, 1]
+
+
 def test_a_killed_agents_service_loses_and_repeats_nothing(tmp_path: Path, arith_model: Path) -> None:
     """SIGKILLed three times at seeded random moments, the agents service restarts alone each time: the
     programs it ran start again under new sessions (the answers to their old calls are dropped as they

@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
@@ -68,7 +69,10 @@ class ArithHarness(vf.Harness[vf.HarnessConfig]):
         data: vf.TaskData,
         **kwargs: Any,
     ) -> ProgramResult:
-        async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+        timeout = httpx.Timeout(None, connect=300.0)  # the SDK's 5 s connect fails episodes on a busy machine
+        async with openai.AsyncOpenAI(
+            base_url=endpoint, api_key=secret, max_retries=0, timeout=timeout
+        ) as client:
             await client.chat.completions.create(
                 model=ctx.model,
                 messages=[{"role": "user", "content": data.prompt_text}],
