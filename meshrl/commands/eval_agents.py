@@ -188,7 +188,6 @@ async def _programs(agents: Any, renderer: Any, engine: Any, inference: Any, rec
             if asyncio.iscoroutinefunction(program):
                 value = await program(run, **args)
             else:
-                run.open()
                 value = await asyncio.to_thread(program, run, **args)
             rewards = reward_parts(value)
         except Exception as e:

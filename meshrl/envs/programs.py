@@ -15,10 +15,10 @@ tools and history handling it has, and returns the trajectory's reward (meshrl/e
 those calls is trained under that reward. A program that raises, returns no reward, or runs past its
 time limit fails its trajectory (counted, never trained).
 
-`run.client` (`openai.AsyncOpenAI`) and `run.sync_client` (`openai.OpenAI`, for plain functions, which
-run on a thread) reach the endpoint inside the agents process, without a socket; a framework that
-builds its own client takes `run.base_url` and `run.api_key` (real HTTP to the same endpoint). Every
-call to the session's URL is recorded, whichever client made it.
+`run.client` (`openai.AsyncOpenAI`) reaches the endpoint inside the agents process, without a socket;
+`run.sync_client` (`openai.OpenAI`, for plain functions, which run on a thread) and a framework's own
+client (from `run.base_url` and `run.api_key`) reach it over HTTP. Every call to the session's URL is
+recorded, whichever client made it.
 
 The process that runs programs (the agents service, `meshrl eval`) leaves out the OpenAI SDK's request
 transform of chat completions (`skip_chat_transform`): it walks every message of every request against
@@ -29,7 +29,6 @@ conversation it was most of a call's cost in the agents process. The bytes sent 
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 from collections.abc import Callable
@@ -69,53 +68,17 @@ class AgentRun:
 
     @cached_property
     def sync_client(self) -> Any:
-        """An `openai.OpenAI` bound to this session (for programs that are plain functions, on a thread)."""
-        import httpx
+        """An `openai.OpenAI` bound to this session, over HTTP (for programs that are plain functions,
+        which run on a thread)."""
         import openai
 
-        http = None
-        if self.transport is not None:
-            http = httpx.Client(transport=_OnLoop(self.transport, asyncio.get_running_loop()), timeout=None)  # type: ignore[arg-type]
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, http_client=http,
-                             max_retries=0 if self.transport else 8)  # fmt: skip
-
-    def open(self) -> None:
-        """Make the clients now, on the event loop (a plain function's thread has none)."""
-        _ = self.client, self.sync_client
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=8)
 
     async def aclose(self) -> None:
         if "client" in self.__dict__:
             await self.client.close()
         if "sync_client" in self.__dict__:
             self.sync_client.close()
-
-
-class _OnLoop:
-    """An httpx transport for a thread that hands each request to the event loop's async transport."""
-
-    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.transport, self.loop = transport, loop
-
-    def handle_request(self, request: Any) -> Any:
-        import httpx
-
-        request.read()
-
-        async def send() -> Any:
-            response = await self.transport.handle_async_request(request)
-            return httpx.Response(response.status_code, headers=response.headers, content=await response.aread(),
-                                  request=request)  # fmt: skip
-
-        return asyncio.run_coroutine_threadsafe(send(), self.loop).result()
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> _OnLoop:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
 
 
 def skip_chat_transform() -> None:

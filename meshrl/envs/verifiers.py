@@ -1,44 +1,26 @@
 """verifiers v1 environments as agent programs (meshrl/envs/programs.py): each task is one verifiers
 episode, played through the agents service's endpoint and trained as one sample under its reward.
 
-    ServiceGroup(id="agents", config=AgentsConfig(
-        model=MODEL,
-        verifiers="my-taskset",                             # the taskset id (`--env.taskset.id`)
-        args={                                              # the rest of the env config (`[env]`)
-            "agent": {"runtime": {"type": "subprocess"}},
-            "taskset": {"task": {...}},
-        })),
+    AgentsConfig(model=MODEL, verifiers="my-taskset",          # the taskset id (`--env.taskset.id`)
+                 args={"agent": {"runtime": {"type": "subprocess"}}, "taskset": {"task": {...}}})
 
-(the same as `program="meshrl.envs.verifiers:run_episode"` with `args={"environment": "my-taskset",
-"environment_args": {...}}`, the form that also takes `tokenizer` and `sampling`).
+is `program="meshrl.envs.verifiers:run_episode"` with `args={"environment": "my-taskset",
+"environment_args": {...}}`, the form that also takes `tokenizer` and `sampling`. v1 names an
+environment by config: an `EnvConfig` whose `taskset.id` is an installed module exporting a `Taskset`
+(and maybe its own `Harness` and `Env`), plus the agent seats (harness, runtime, limits) and knobs, as
+the `[env]` block of a verifiers run writes them. The seats default to verifiers' (a Prime sandbox
+runtime, the taskset's harness, else `bash`): set what the agents service's hosts can run.
 
-v1 names an environment by config, not by a loader function: an `EnvConfig` whose `taskset.id` is an
-installed package exporting a `Taskset` (and, optionally, its own `Harness` and `Env`), plus the env's
-agent seats (harness, runtime, limits) and knobs. `environment` is that taskset id (the package to
-import); `environment_args` is the rest of the config, as the `[env]` block of a verifiers run writes
-it (`id` pairs another env with the taskset). Agent seats default to verifiers' defaults: a Prime
-sandbox runtime, the taskset's harness (else `bash`); set what the machines running the agents
-service can host.
-
-The dataset rows are the taskset's tasks in their wire form (`task.data.model_dump()` of what the
-taskset's `load()` yields, as verifiers' env server receives them; `rollout.dataset="verifiers:<id>"`
-writes them: `taskset_rows`): each row is validated into the taskset's `TaskData` and played once.
-The episode runs with verifiers' training client (`TrainClientConfig`): it renders messages to token
-ids with the `renderers` package and the policy's tokenizer (`tokenizer`, else the policy's local path,
-`run.tokenizer`: it follows `*.model`) and posts them to the session's
-`/inference/v1/generate`, so the tokens trained are exactly those inference generated, whatever
-the harness does with the text. Sampling is the endpoint's (the run's temperature and turn length)
-unless `sampling` sets some of it: the training client samples with the episode's settings and
-ignores what the harness's request asks for (its `max_tokens`, `stop`, `temperature`).
-
-Rewards: every trace's named rewards (weighted, as verifiers scores them), prefixed by the agent's name
-when the episode has several agents. Everything the episode's agents generated is trained, untrainable
-seats (a judge agent) included: the session cannot tell the calls apart. An episode that ends with an
-error raises, failing its trajectory with verifiers' reason.
-
-Each episode gets its own interception server (verifiers' per-rollout path): its model client is bound
-to the session's URL and must close with it. So `Env.serving()` is not entered, and environments that
-need it (taskset-shared tool servers, an `Env.start()`) are refused.
+The rows are the taskset's tasks in their wire form (`task.data.model_dump()`; `rollout.dataset=
+"verifiers:<id>"` writes them: `taskset_rows`), each validated into the taskset's `TaskData`. The
+episode runs with verifiers' training client, which renders messages with the policy's tokenizer
+(`tokenizer`, else `run.tokenizer`: it follows `*.model`) and posts token ids to the session's
+`/inference/v1/generate`, so the tokens trained are those inference generated. Sampling is the run's
+unless `sampling` sets some (the client ignores what a harness's request asks for). Rewards: every
+trace's named rewards, prefixed by the agent's name when there are several agents; every agent's calls
+are trained, untrainable seats included. An episode that ends with an error fails its trajectory with
+verifiers' reason. Each episode gets its own interception server bound to its session, so
+`Env.serving()` is not entered: environments that need it (taskset toolsets, `Env.start()`) are refused.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def decode(body: bytes, kind: type[Any]) -> Any:
 
 @dataclass
 class Call:
-    """One model call, checked: what to render (or the ids themselves), and how to sample."""
+    """One model call, checked: the messages to render (or the ids themselves), and how to sample."""
 
     model: str
     messages: list[dict[str, Any]]
@@ -159,11 +159,11 @@ class Call:
     """temperature, top_p, max_tokens, seed, as asked (the run's settings fill the rest)."""
     stop: list[str]
     stop_token_ids: list[int]
+    session: str | None
     tool_choice: str = "auto"
     stream: bool = False
     usage_in_stream: bool = False
     logprobs: bool = False
-    session: str | None = None
 
 
 def chat_call(body: bytes) -> Call:
@@ -173,13 +173,10 @@ def chat_call(body: bytes) -> Call:
         raise ApiError(
             400, 'tools must be a list of {"type": "function", "function": {"name": ...}}', param="tools"
         )
-    return Call(
-        model=r.model, messages=[normalized(msgspec.to_builtins(m)) for m in r.messages], tools=r.tools or None,
-        token_ids=None, sampling=_sampling(r.temperature, r.top_p, r.max_completion_tokens or r.max_tokens, r.seed),
-        stop=[r.stop] if isinstance(r.stop, str) else list(r.stop or []), stop_token_ids=[],
-        tool_choice=r.tool_choice, stream=r.stream, usage_in_stream=bool(r.stream_options and r.stream_options.include_usage),
-        logprobs=r.logprobs, session=r.session_id or r.user,
-    )  # fmt: skip
+    usage = bool(r.stream_options and r.stream_options.include_usage)
+    return Call(r.model, [normalized(msgspec.to_builtins(m)) for m in r.messages], r.tools or None, None,
+                _sampling(r.temperature, r.top_p, r.max_completion_tokens or r.max_tokens, r.seed), _stops(r.stop), [],
+                r.session_id or r.user, r.tool_choice, r.stream, usage, r.logprobs)  # fmt: skip
 
 
 def generate_call(body: bytes, vocab: int) -> Call:
@@ -187,12 +184,8 @@ def generate_call(body: bytes, vocab: int) -> Call:
     if max(r.token_ids) >= vocab:
         raise ApiError(400, f"token_ids must be token ids below {vocab}", param="token_ids")
     p = r.sampling_params
-    return Call(
-        model=r.model, messages=[], tools=None, token_ids=r.token_ids,
-        sampling=_sampling(p.temperature, p.top_p, p.max_tokens, p.seed),
-        stop=[p.stop] if isinstance(p.stop, str) else list(p.stop or []), stop_token_ids=list(p.stop_token_ids or []),
-        logprobs=True, session=r.session_id,
-    )  # fmt: skip
+    return Call(r.model, [], None, r.token_ids, _sampling(p.temperature, p.top_p, p.max_tokens, p.seed),
+                _stops(p.stop), list(p.stop_token_ids or []), r.session_id, logprobs=True)  # fmt: skip
 
 
 def _sampling(
@@ -200,6 +193,10 @@ def _sampling(
 ) -> dict[str, Any]:
     asked = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens, "seed": seed}
     return {k: v for k, v in asked.items() if v is not None}  # fmt: skip
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def normalized(m: dict[str, Any]) -> dict[str, Any]:

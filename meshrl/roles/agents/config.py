@@ -125,21 +125,9 @@ class AgentsConfig(ServiceConfig):
 
     def imports(self) -> tuple[str, ...]:
         if self.kind == "environment":
-            return (
-                *super().imports(),
-                "meshrl.roles.agents.environments",
-                str(self.environment).partition(":")[0],
-            )
+            return (*super().imports(), "meshrl.roles.agents.environments", str(self.environment).partition(":")[0])  # fmt: skip
         user = str(self.program).partition(":")[0] if self.program else "meshrl.envs.verifiers"
-        return (
-            *super().imports(),
-            "meshrl.roles.agents.programs",
-            "openai",
-            "httpx",
-            "starlette",
-            "uvicorn",
-            user,
-        )
+        return (*super().imports(), "meshrl.roles.agents.programs", "openai", "starlette", "uvicorn", user)  # fmt: skip
 
     def reads(self) -> tuple[Read, ...]:
         # an environment's call rows carry its trajectory so far: any replica takes their answers (and its

@@ -6,16 +6,16 @@ programs (docs/architecture.md, "Agents").
     GET  /v1/models                  the served model, with its max_model_len
 
 The same routes also live under `/s/<session>/...`: a program's base URL names its session. In a run
-the model is the agents service's call rows (service.py), in `meshrl eval` an engine of its own. The
-app is served over HTTP (uvicorn: programs' own clients, subprocesses) and in-process (httpx's ASGI
-transport: `run.client`, `run.sync_client`), by the process that runs the programs.
+the model is the agents service's call rows (programs.py), in `meshrl eval` an engine of its own. The
+routes are served in-process (httpx's ASGI transport: `run.client`) and over HTTP (uvicorn: every other
+client), by the process that runs the programs.
 
 A session's calls join into one token sequence whenever the program sends back the history it was
 given (the last prompt and answer exactly as generated, then the new messages: `Renderer.extend`); an
-edited history is rendered whole and starts a segment (meshrl/envs/trajectory.py). The calls of a
-session the agents service runs are recorded in it, with the tool calls its answers hold, and the
-time it had a call in flight (the program's own time is the rest). No line is logged per request:
-the counts are (`Endpoint.counts`).
+edited history is rendered whole and starts a segment (meshrl/envs/trajectory.py). Each call of a
+session the agents service runs is recorded in it, with the tool calls its answer holds, and the time
+it had a call in flight (the program's own time is the rest). A call of no such session is answered and
+forgotten. No line is logged per request: the counts are (`Endpoint.counts`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -35,22 +35,6 @@ from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Call as Record
 from meshrl.roles.agents import chat
 from meshrl.roles.agents.chat import ApiError, Call, Generated
-
-LOOSE_SESSIONS = 65536
-"""Sessions of callers the service does not run (an `X-Session-ID` of their own) whose last call is
-remembered for joining the next one to it (least recently used go)."""
-
-
-@dataclass
-class Last:
-    """What a session's last call was rendered from and answered: for joining the next one to it."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-    ids: list[int]
-    """The prompt and the completion, as one sequence."""
-    reply: dict[str, Any]
-    """The assistant message the answer carried, as the program will send it back."""
 
 
 @dataclass
@@ -63,11 +47,11 @@ class Session:
     gen_batch: int = 0
     tool_calls: int = 0
     malformed: int = 0
-    last: Last | None = None
+    last: tuple[list[dict[str, Any]], list[dict[str, Any]] | None, list[int], dict[str, Any]] | None = None
+    """The last call's messages, tools, prompt and completion ids, and the answer as it will come back."""
     busy: int = 0
-    """Calls in flight."""
+    """Calls in flight; `waited`: seconds with one in flight, up to the last that ended."""
     waited: float = 0.0
-    """Seconds with a call in flight, up to the last one that ended."""
     busy_since: float = 0.0
 
     def own_s(self, since: float) -> float:
@@ -77,10 +61,8 @@ class Session:
 
     def record(self, prompt: list[int], out: Generated, parsed: int = 0, malformed: int = 0) -> None:
         self.calls.append(Record(prompt, out.ids, out.logprobs, out.version[0]))
-        self.gen_s += out.gen_s
-        self.gen_batch = out.gen_batch
-        self.tool_calls += parsed
-        self.malformed += malformed
+        self.gen_s, self.gen_batch = self.gen_s + out.gen_s, out.gen_batch
+        self.tool_calls, self.malformed = self.tool_calls + parsed, self.malformed + malformed
 
 
 class Model(Protocol):
@@ -97,29 +79,24 @@ class Endpoint:
         self.renderer, self.model, self.names = renderer, model, names
         self.budget, self.max_new, self.call_timeout_s, self.secret = budget, max_new, call_timeout_s, secret
         self.sessions: dict[str, Session] = {}
-        """The sessions of the programs the service runs, by key: their calls are recorded."""
-        self.loose: OrderedDict[str, Session] = OrderedDict()
+        """The sessions of the programs the service runs, by key."""
         self.counts: Counter[str] = Counter()
         self.errors: list[str] = []
-        """Why requests failed, the first ones since the service last logged them."""
+        """Why requests failed, the first ones since the service last logged them (and emptied this)."""
         self.numbers = itertools.count()
 
     def app(self) -> Any:
         """The routes as an ASGI app (a bare router: `guard` answers every error, no middleware needed)."""
         from starlette.routing import Route, Router
 
-        routes = []
-        for prefix in ("", "/s/{session}"):
-            routes += [
-                Route(f"{prefix}/v1/models", self.guard(self.models), methods=["GET"]),
-                Route(f"{prefix}/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
-                Route(f"{prefix}/inference/v1/generate", self.guard(self.generate), methods=["POST"]),
-            ]
-        return Router(routes=routes)
+        handlers = {"/v1/models": (self.models, "GET"), "/v1/chat/completions": (self.chat, "POST"),
+                    "/inference/v1/generate": (self.generate, "POST")}  # fmt: skip
+        return Router([Route(f"{prefix}{path}", self.guard(fn), methods=[method])
+                       for prefix in ("", "/s/{session}") for path, (fn, method) in handlers.items()])  # fmt: skip
 
     def guard(self, handler: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
         """The handler behind the secret, with every ApiError as an OpenAI error body and any other
-        failure counted as a 500 (the caller gets the reason; the service logs the first ones)."""
+        failure as a 500 with its reason (both counted, the first reasons kept for the log)."""
         from starlette.responses import JSONResponse
 
         async def endpoint(request: Any) -> Any:
@@ -128,21 +105,18 @@ class Endpoint:
                 if self.secret and request.headers.get("authorization") != f"Bearer {self.secret}":
                     raise ApiError(401, "a bearer token is required: the run's secret (the SDK's api_key)")
                 return await handler(request)
-            except ApiError as e:
-                self.failed(e.status, f"{request.method} {request.url.path}: {e.status} {e.message}")
-                return JSONResponse(e.body(), status_code=e.status)
-            except Exception as e:  # a bug of ours: a 500 with the reason
-                self.failed(500, f"{request.method} {request.url.path}: 500 {type(e).__name__}: {e}")
-                return JSONResponse(
-                    ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), 500
+            except Exception as e:  # not an ApiError: a bug of ours
+                error = (
+                    e
+                    if isinstance(e, ApiError)
+                    else ApiError(500, f"{type(e).__name__}: {e}", kind="server_error")
                 )
+                self.counts[f"http_{error.status}"] += 1
+                if len(self.errors) < 20:
+                    self.errors.append(f"{request.method} {request.url.path}: {error.status} {error.message}")
+                return JSONResponse(error.body(), status_code=error.status)
 
         return endpoint
-
-    def failed(self, status: int, why: str) -> None:
-        self.counts[f"http_{status}"] += 1
-        if len(self.errors) < 20:  # the service logs them (and empties the list) with its counts
-            self.errors.append(why)
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None) -> None:
         """Serve the routes over HTTP until cancelled (uvicorn, without its signal handlers: the process's
@@ -168,34 +142,18 @@ class Endpoint:
             await asyncio.gather(serving, return_exceptions=True)
 
     async def models(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
         card = {"object": "model", "owned_by": "meshrl", "max_model_len": self.budget}
-        return JSONResponse({"object": "list", "data": [{"id": n, **card} for n in self.names]})
-
-    def session(self, key: str | None) -> Session:
-        """The session of `key` (a program's the service runs; a caller's own, remembered for joining;
-        none: a session of one call)."""
-        if key is None:
-            return Session("")
-        if key in self.sessions:
-            return self.sessions[key]
-        found = self.loose.pop(key, None) or Session(key)
-        self.loose[key] = found
-        while len(self.loose) > LOOSE_SESSIONS:
-            self.loose.popitem(last=False)
-        return found
+        return _json({"object": "list", "data": [{"id": n, **card} for n in self.names]})
 
     async def chat(self, request: Any) -> Any:
         call = chat.chat_call(await request.body())
-        session = self.checked(request, call)
+        session = self.session(request, call)
         ids = self.prompt(session, call)
         out = await self.complete(ids, call, session)
         parser = self.renderer.parser.knowing([t["function"]["name"] for t in call.tools or []])
         message, parsed, malformed = chat.assistant_message(self.renderer.decode(out.ids), call, parser)
-        session.last = Last(call.messages, call.tools, ids + out.ids, chat.normalized(message))
-        if session.key in self.sessions:
-            session.record(ids, out, parsed, malformed)
+        session.last = (call.messages, call.tools, ids + out.ids, chat.normalized(message))
+        session.record(ids, out, parsed, malformed)
         extra = self.extra(session, out)
         if call.stream:
             return _stream(chat.chat_chunks(call, message, out, ids, extra))
@@ -203,36 +161,34 @@ class Endpoint:
 
     async def generate(self, request: Any) -> Any:
         call = chat.generate_call(await request.body(), len(self.renderer.tokenizer))
-        session = self.checked(request, call)
+        session = self.session(request, call)
         assert call.token_ids is not None
         out = await self.complete(call.token_ids, call, session)
-        if session.key in self.sessions:
-            session.record(call.token_ids, out)
+        session.record(call.token_ids, out)
         return _json(chat.generate_response(out, call.token_ids, self.extra(session, out)))
 
-    def checked(self, request: Any, call: Call) -> Session:
+    def session(self, request: Any, call: Call) -> Session:
+        """The session the call names (in its URL, an X-Session-ID header or its body), if the service runs
+        it; else one of its own, forgotten after the call."""
         if call.model not in self.names:
             raise ApiError(
                 404, f"model {call.model!r} is not served here (served: {self.names[0]!r})", param="model"
             )
-        return self.session(
-            request.path_params.get("session") or request.headers.get("x-session-id") or call.session
-        )
+        key = request.path_params.get("session") or request.headers.get("x-session-id") or call.session
+        return self.sessions.get(key or "") or Session("")
 
     def prompt(self, session: Session, call: Call) -> list[int]:
         """The call's prompt: joined to the session's last call when it sends back that history, else
         rendered whole."""
-        last, msgs = session.last, call.messages
-        ids = None
-        if last is not None and call.tools == last.tools:
-            n = len(last.messages)
-            if len(msgs) >= n + 2 and msgs[:n] == last.messages and _same_reply(msgs[n], last.reply):
-                ids = self.renderer.extend(last.ids, msgs[: n + 1], msgs[n + 1 :], call.tools)
+        msgs, ids = call.messages, None
+        if session.last is not None and call.tools == session.last[1]:
+            last, _, tokens, reply = session.last
+            n = len(last)
+            if len(msgs) >= n + 2 and msgs[:n] == last and _same_reply(msgs[n], reply):
+                ids = self.renderer.extend(tokens, msgs[: n + 1], msgs[n + 1 :], call.tools)
         self.counts["joined" if ids is not None else "rendered"] += 1
-        if ids is not None:
-            return ids
         try:
-            return self.renderer.prompt(msgs, call.tools)
+            return ids if ids is not None else self.renderer.prompt(msgs, call.tools)
         except Exception as e:  # the chat template refused the messages
             raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
 
@@ -243,8 +199,7 @@ class Endpoint:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; with an answer of {max_new} this endpoint takes "
                                 f"at most {self.budget - max_new} (agents.max_tokens, or the model's context)",
                            param="messages")  # fmt: skip
-        if session.busy == 0:
-            session.busy_since = time.monotonic()
+        session.busy_since = time.monotonic() if session.busy == 0 else session.busy_since
         session.busy += 1
         try:
             async with asyncio.timeout(self.call_timeout_s):
@@ -255,8 +210,7 @@ class Endpoint:
             ) from None
         finally:
             session.busy -= 1
-            if session.busy == 0:
-                session.waited += time.monotonic() - session.busy_since
+            session.waited += time.monotonic() - session.busy_since if session.busy == 0 else 0.0
         self.counts["answered"] += 1
         return chat.cut(self.renderer.tokenizer, call, self.renderer.stop, out, max_new)
 
@@ -273,11 +227,8 @@ def _same_reply(sent: dict[str, Any], answered: dict[str, Any]) -> bool:
     def calls(m: dict[str, Any]) -> list[tuple[str, Any]]:
         return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
 
-    return (
-        sent.get("role") == "assistant"
-        and (sent.get("content") or "").strip() == (answered.get("content") or "").strip()
-        and calls(sent) == calls(answered)
-    )
+    text = (sent.get("content") or "").strip() == (answered.get("content") or "").strip()
+    return sent.get("role") == "assistant" and text and calls(sent) == calls(answered)
 
 
 def _json(body: dict[str, Any]) -> Any:

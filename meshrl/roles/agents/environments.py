@@ -55,19 +55,11 @@ class Environments:
         self.env: Environment = getattr(importlib.import_module(module), name)(**cfg.args)
         self.env.limits = cfg.limits(service.turn_tokens)
         self.service = service
-
-    def tool_names(self) -> list[str]:
-        return [t.name for t in self.env.tools]
-
-    def setup(self) -> None:
-        pass
+        self.renderer = service.renderer_for([t.name for t in self.env.tools])
 
     def jobs(self) -> list[Any]:
         s = self.service
         return [s.pump(s.ctx.wiring.claim("answers"), self.turn)]
-
-    async def close(self) -> None:
-        pass
 
     def report(self) -> str:
         return ""
@@ -78,7 +70,7 @@ class Environments:
         t0 = time.time()
         meta: dict[str, Any] = {k: row.get(k) for k in CARRIED}
         meta[TRAJ], meta[STARTED] = int(batch.ids[i]), t0
-        ep = await start(self.env, self.service.renderer, json.loads(str(row.get(TASK) or "{}")))
+        ep = await start(self.env, self.renderer, json.loads(str(row.get(TASK) or "{}")))
         times = {"gen_s": 0.0, "env_s": time.time() - t0, "gen_batch": 0}
         await (self.over(ep, meta, times) if ep.done else self.write(ep, meta, times))
 
@@ -93,7 +85,7 @@ class Environments:
         times["gen_batch"] = int(batch.tensor(GEN_BATCH)[i])
         first, _ = batch.tensor(VERSION)[i].tolist()  # a turn a weight update interrupted: its first version
         t0 = time.time()
-        ep = await advance(self.env, self.service.renderer, ep, batch.ragged(RESPONSE)[i].tolist(),
+        ep = await advance(self.env, self.renderer, ep, batch.ragged(RESPONSE)[i].tolist(),
                            batch.ragged(LOGPROBS)[i].tolist(), int(first))  # fmt: skip
         times["env_s"] += time.time() - t0
         await (self.over(ep, meta, times) if ep.done else self.write(ep, meta, times))

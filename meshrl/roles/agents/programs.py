@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import itertools
 import json
 import secrets
@@ -55,8 +56,10 @@ CALL = "call"
 
 class Programs:
     def __init__(self, service: AgentsService) -> None:
-        cfg = service.config
-        self.service = service
+        import httpx
+
+        cfg = self.config = service.config
+        self.service, self.renderer = service, service.renderer_for([])
         if cfg.kind == "program":
             self.program, self.args = load_program(str(cfg.program)), dict(cfg.args)
         else:
@@ -72,25 +75,15 @@ class Programs:
         )  # sessions and calls of this process only (a restart starts new ones)
         self.numbers = itertools.count()
         self.waiting: dict[str, asyncio.Future[tuple[Batch, int]]] = {}
-
-    def tool_names(self) -> list[str]:
-        return []
-
-    def setup(self) -> None:
-        import httpx
-
-        s, cfg = self.service, self.service.config
-        self.endpoint = Endpoint(s.renderer, self, names=cfg.names, budget=cfg.budget(), max_new=s.turn_tokens,
-                                 call_timeout_s=cfg.call_timeout_s, secret=None if _loopback(cfg.host) else s.ctx.secret)  # fmt: skip
+        secret = None if ipaddress.ip_address(cfg.host).is_loopback else service.ctx.secret
+        self.endpoint = Endpoint(self.renderer, self, names=cfg.names, budget=cfg.budget(), max_new=service.turn_tokens,
+                                 call_timeout_s=cfg.call_timeout_s, secret=secret)  # fmt: skip
         self.transport = httpx.ASGITransport(app=self.endpoint.app())
-        host = s.ctx.address(s.ctx.process.host) if cfg.host == "0.0.0.0" else cfg.host
-        self.url = f"http://{host}:{s.ctx.process.ports[HTTP]}"
+        host = service.ctx.address(service.ctx.process.host) if cfg.host == "0.0.0.0" else cfg.host
+        self.url = f"http://{host}:{service.ctx.process.ports[HTTP]}"
 
     def jobs(self) -> list[Any]:
         return [self.answers(), self.http()]
-
-    async def close(self) -> None:
-        pass
 
     def report(self) -> str:
         counts, errors = dict(self.endpoint.counts), list(self.endpoint.errors)
@@ -99,12 +92,12 @@ class Programs:
 
     async def http(self) -> None:
         """The endpoint over HTTP, for programs' own clients."""
-        self.service.log.info("serving %s/v1 (model %s)", self.url, self.service.config.names[0])
-        await self.endpoint.serve(self.service.config.host, self.service.ctx.process.ports[HTTP])
+        self.service.log.info("serving %s/v1 (model %s)", self.url, self.config.names[0])
+        await self.endpoint.serve(self.config.host, self.service.ctx.process.ports[HTTP])
 
     async def begin(self, batch: Batch, i: int) -> None:
         """Run the task's program, then write its trajectory (reward NaN when it failed or made no call)."""
-        s, cfg = self.service, self.service.config
+        s, cfg = self.service, self.config
         row = (batch.meta or [{}])[i] or {}
         traj = int(batch.ids[i])
         session = self.endpoint.sessions[f"{self.nonce}.{traj}"] = Session(
@@ -135,11 +128,10 @@ class Programs:
     async def play(self, run: AgentRun, session: Session) -> tuple[Any, tuple[str, str] | None]:
         """The program's return value, or why it failed: it raised, or it spent `timeout_s` of its own
         time (its calls in flight are not its time: they wait for weights or a generation slot)."""
-        limit = self.service.config.timeout_s
+        limit = self.config.timeout_s
         if inspect.iscoroutinefunction(self.program):
             task = asyncio.ensure_future(self.program(run, **self.args))
         else:
-            run.open()
             task = asyncio.ensure_future(asyncio.to_thread(self.program, run, **self.args))
         since = time.monotonic()
         try:
@@ -191,9 +183,3 @@ class Programs:
                 else:
                     s.counts["calls_dropped"] += 1
                     s.done(batch, i, delete=True)
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    return ipaddress.ip_address(host).is_loopback

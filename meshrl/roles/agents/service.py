@@ -108,17 +108,18 @@ class AgentsService(Service):
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per model call otherwise
         cfg = self.config
         self.turn_tokens = int(self.ctx.wiring.inputs["turn_tokens"])  # inference's max_new_tokens
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.kind = environments.Environments(self) if cfg.kind == "environment" else programs.Programs(self)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        parser = build_parser(cfg.parser, self.kind.tool_names())
-        self.renderer = Renderer(
-            tokenizer, parser, tool_role=cfg.tool_role, keep_reasoning=cfg.keep_reasoning
-        )
-        self.kind.setup()
         self.counts: Counter[str] = Counter()
         self.parts: dict[str, float] = {}
         self.times = {"life_s": 0.0, "gen_s": 0.0, "env_s": 0.0}
         self.span: list[float] = []  # first start, last finish (wall clock; the agent benchmarks read it)
+
+    def renderer_for(self, tools: list[str]) -> Renderer:
+        """The renderer of this recipe's messages, reading calls of the tools named `tools`."""
+        cfg = self.config
+        parser = build_parser(cfg.parser, tools)
+        return Renderer(self.tokenizer, parser, tool_role=cfg.tool_role, keep_reasoning=cfg.keep_reasoning)
 
     @property
     def config(self) -> AgentsConfig:
@@ -149,13 +150,12 @@ class AgentsService(Service):
             for t in [*jobs, *self.tasks]:
                 t.cancel()
             await asyncio.gather(*jobs, *self.tasks, return_exceptions=True)
-            await self.kind.close()
             if self.failed.done() and not self.failed.cancelled():
                 self.failed.exception()  # retrieved (re-raised above when it was the first to end)
             with contextlib.suppress(Exception):
                 await client.close()
 
-    async def pump(self, claim: Any, handle: Callable[[Batch, int], Awaitable[None]], **kw: Any) -> None:
+    async def pump(self, claim: Any, handle: Callable[[Batch, int], Awaitable[None]]) -> None:
         """Claim as many rows as there are free slots, and handle each in a task of its own."""
         while True:
             await self.slots.acquire()
@@ -174,20 +174,19 @@ class AgentsService(Service):
             for _ in range(n - len(batch)):
                 self.slots.release()
             for i in range(len(batch)):
-                self.spawn(self.guarded(batch, i, handle, **kw))
+                self.spawn(self.guarded(batch, i, handle))
 
     def spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def guarded(self, batch: Batch, i: int, handle: Callable[[Batch, int], Awaitable[None]],
-                      delete: bool = False) -> None:  # fmt: skip
+    async def guarded(self, batch: Batch, i: int, handle: Callable[[Batch, int], Awaitable[None]]) -> None:
         """Handle row `i`, then acknowledge it (only after its writes: a kill in between replays the row).
         Anything failing here (the data plane, a bug) stops the service; its rows return to the pool."""
         try:
             await handle(batch, i)
-            self.done(batch, i, delete)
+            self.done(batch, i)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -222,7 +221,7 @@ class AgentsService(Service):
         """The trajectory's sample into `samples` (reward NaN when its episode failed: rollout counts it)."""
         t = out.trajectory
         columns: dict[str, Any] = {
-            k: [torch.tensor(v, dtype=DTYPES[k])] for k, v in t.sample(self.renderer.stop).items()
+            k: [torch.tensor(v, dtype=DTYPES[k])] for k, v in t.sample(self.kind.renderer.stop).items()
         }
         first, last = t.version_range
         need = int(row.get(MIN_VERSION) or 0)

@@ -73,8 +73,7 @@ def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path
         client = openai.OpenAI(base_url=url, api_key="unused-on-loopback", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["policy"]
         hi = [{"role": "user", "content": "3+4="}]
-        answer = client.chat.completions.create(model="policy", messages=hi, max_tokens=3, seed=1,
-                                                extra_headers={"X-Session-ID": "test"})  # fmt: skip
+        answer = client.chat.completions.create(model="policy", messages=hi, max_tokens=3, seed=1)
         choice = answer.choices[0]
         assert choice.finish_reason in ("stop", "length") and answer.usage.completion_tokens <= 3
         extra = answer.model_extra
@@ -83,16 +82,7 @@ def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path
         assert extra["meshrl"]["weight_version"] == [0, 0] and extra["prompt_token_ids"]
         again = client.chat.completions.create(model="policy", messages=hi, max_tokens=3, seed=1)
         assert again.choices[0].message.content == choice.message.content  # the caller's seed decides
-        # the next call of the session, sending back its history: joined to the tokens generated
-        follow = [
-            *hi,
-            {"role": "assistant", "content": choice.message.content},
-            {"role": "user", "content": "1+1="},
-        ]
-        joined = client.chat.completions.create(model="policy", messages=follow, max_tokens=3,
-                                                extra_headers={"X-Session-ID": "test"})  # fmt: skip
-        first_ids = extra["prompt_token_ids"] + choice.model_extra["token_ids"]
-        assert joined.model_extra["prompt_token_ids"][: len(first_ids)] == first_ids
+        first_ids = extra["prompt_token_ids"]
         chunks = list(client.chat.completions.create(model="policy", messages=hi, max_tokens=3, stream=True,
                                                      stream_options={"include_usage": True}))  # fmt: skip
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -101,7 +91,7 @@ def test_the_openai_client_drives_the_endpoint(tmp_path: Path, arith_model: Path
         tokens = httpx.post(f"{url.removesuffix('/v1')}/inference/v1/generate",
                             json={"model": "policy", "token_ids": first_ids, "sampling_params": {"max_tokens": 2}})  # fmt: skip
         assert tokens.status_code == 200 and len(tokens.json()["choices"][0]["token_ids"]) <= 2
-        good = 5
+        good = 4
         # bad input: 4xx with an OpenAI error body, and nothing written
         with pytest.raises(openai.NotFoundError, match="not served here"):
             client.chat.completions.create(model="gpt-4", messages=hi)
