@@ -5,8 +5,8 @@
 Runs recipes/agent_sim.py (real services and data plane; generation, tools and training replaced by
 sleeps): 4 inference replicas (batches of up to 8, 1 ms per decoding step, lognormal turn lengths with
 median 30 tokens), trajectories of 2-8 turns whose tool calls take lognormal times (median 50 ms, 99th
-percentile ~2 s) under a 2.5 s tool timeout (the env's `tool_timeout_s`: 0.6% of calls time out),
-stepped by the environment service with no loop waiting for the slowest. Then, in this process, the
+percentile ~2 s) under a 2.5 s tool timeout (`agents.tool_timeout_s`: 0.6% of calls time out), stepped
+by the agents service with no loop waiting for the slowest. Then, in this process, the
 same work as a single global loop does it (the barrier baseline): a batch of 128 trajectories, each
 round generating every active trajectory's turn on the same 4 simulated engines (threads) and waiting
 for the slowest tool (the same timeout) before the next round.
@@ -19,16 +19,18 @@ for the slowest tool (the same timeout) before the next round.
 - overhead_fraction: the share of a trajectory's life spent neither generating nor in the environment
   (waiting in queues for a generation batch, data-plane transfers, bookkeeping).
 
-Measured here (2 shared CPU cores, `--steps 24`, the default: 3072 trajectories), three runs: 44.8-45.0
-trajectories/s, 223-225 turns/s, generation_busy 0.954-0.960, steady 0.964-0.968, barrier 8.0
-trajectories/s, speedup 5.6, overhead_fraction 0.97. The steady state is the pipeline: per replica,
-the median gap between one batch's end and the next one's start is ~5 ms. What the whole span adds is
-its ends: the first second (trajectories starting) and the drain once the feed is exhausted. Before
-the tool timeout, the drain was the whole gap: the slowest of the ~12,600 tool calls (an uncapped
-lognormal reaches 10-25 s) kept the last trajectory, and the run, going while every replica idled for
-up to 12 s; three runs measured 0.82-0.96 whole (0.964-0.966 steady). The overhead is queueing: the
-env service keeps up to 512 trajectories in flight for 4 x 8 generation slots, so a trajectory mostly
-waits for a slot.
+Measured here (2 CPU cores, `--steps 24`, the default: 3072 trajectories), on the one agents service
+(an environment's trajectory stepped between its call rows), two runs on a quiet machine: 43.3 and 43.6
+trajectories/s, generation_busy 0.930 and 0.935, steady 0.948 and 0.945, barrier 8.0 trajectories/s,
+speedup 5.41 and 5.44, overhead_fraction 0.97; with another engineer's test suite sharing the cores,
+0.88-0.90 (the environment service this service replaced, alternated with it in those conditions:
+0.78-0.90). The
+steady state is the pipeline: per replica, the gap between one batch's end and the next one's start is
+a few ms. What the whole span adds is its ends: the first second (trajectories starting) and the drain
+once the feed is exhausted (the slowest tool calls: hence the tool timeout, without which the last
+trajectory kept the run going for up to 12 s while every replica idled). The overhead is queueing: the
+service keeps up to 512 trajectories in flight for 4 x 8 generation slots, so a trajectory mostly waits
+for a slot.
 """
 
 from __future__ import annotations
