@@ -1,21 +1,16 @@
 """The endpoint: OpenAI-compatible routes over a model that answers calls, and the sessions of agent
-programs (docs/architecture.md, "Agents").
+programs (docs/architecture.md, "Programs and verifiers episodes").
 
     POST /v1/chat/completions        OpenAI's chat API (tools, streaming, stop, seed, ...)
     POST /inference/v1/generate      vLLM's token-in/token-out route (verifiers' training client)
     GET  /v1/models                  the served model, with its max_model_len
 
-The same routes also live under `/s/<session>/...`: a program's base URL names its session. In a run
-the model is the agents service's call rows (programs.py), in `meshrl eval` an engine of its own. The
-routes are served in-process (httpx's ASGI transport: `run.client`) and over HTTP (uvicorn: every other
-client), by the process that runs the programs.
-
-A session's calls join into one token sequence whenever the program sends back the history it was
-given (the last prompt and answer exactly as generated, then the new messages: `Renderer.extend`); an
-edited history is rendered whole and starts a segment (meshrl/envs/trajectory.py). Each call of a
-session the agents service runs is recorded in it, with the tool calls its answer holds, and the time
-it had a call in flight (the program's own time is the rest). A call of no such session is answered and
-forgotten. No line is logged per request: the counts are (`Endpoint.counts`).
+also under `/s/<session>/...`, a program's base URL. The model is the agents service's call rows
+(programs.py), or `meshrl eval`'s engine. A session's calls join into one token sequence whenever the
+program sends back the history it was given (`Renderer.extend`); each call of a session the service
+runs is recorded in it, with the tool calls its answer holds and the time it was in flight (the
+program's own time is the rest). A call of no such session is answered and forgotten. No line is logged
+per request: the counts are (`Endpoint.counts`).
 """
 
 from __future__ import annotations

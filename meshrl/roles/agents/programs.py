@@ -1,14 +1,10 @@
 """Agent programs and verifiers episodes in the agents service (service.py): each task's program runs in
-an asyncio task of its own (a plain function: on a thread), with a session of this replica's endpoint
-(endpoint.py), served in-process to `run.client` and `run.sync_client` and over HTTP to the program's
-own clients.
-
+an asyncio task of its own (a plain function: on a thread) with a session of this replica's endpoint.
 The endpoint's model is this replica's call rows: a call is written to `calls` addressed to this
-replica (TO), with what the caller asked for (SAMPLING), its session and the oldest weight version the
-session may use (the task's MIN_VERSION); inference generates it like any prompt; this replica claims
-the answers addressed to it and hands each to the request waiting for it, then deletes the row. An
-answer nobody waits for (the call of a program that ran on this replica before a restart) is deleted
-as it arrives. When the program returns, its session's calls are its trajectory.
+replica, with what the caller asked for and the oldest weight version its session may use; this
+replica claims the answers addressed to it, hands each to the request waiting for it and deletes the
+row (an answer nobody waits for, a call of a program of a process before a restart, is deleted as it
+arrives). When the program returns, its session's calls are its trajectory.
 """
 
 from __future__ import annotations
@@ -150,6 +146,12 @@ class Programs:
     async def complete(self, ids: list[int], sampling: dict[str, Any], session: Session) -> Generated:
         """The endpoint's model: the call as a row addressed to this replica, and its answer."""
         s = self.service
+        if sampling.get("temperature", s.ctx.run.temperature) != s.ctx.run.temperature and session.key:
+            s.counts["off_temperature"] += 1  # the trainer scores every token at the run's temperature
+            if s.counts["off_temperature"] == 1:
+                s.log.warning("a program asks for temperature %g, the run samples at %g: those samples are off "
+                              "the trained policy (importance-weighted, often clipped); leave the temperature "
+                              "to the run", sampling["temperature"], s.ctx.run.temperature)  # fmt: skip
         name = f"{self.nonce}.{next(self.numbers)}"
         answer = self.waiting[name] = asyncio.get_running_loop().create_future()
         meta: dict[str, Any] = {CALL: name, SESSION: session.key or None, MIN_VERSION: session.min_version, TO: s.ctx.replica.name,

@@ -1,27 +1,13 @@
 """The agents service: every kind of agent episode on one loop (docs/architecture.md, "Agents").
 
-A replica claims trajectory starts from `tasks` (rollout feeds them, paced by the window like any
-prompt) and plays many at once on asyncio, each as an episode of the recipe's kind:
-
-- an `Environment` (meshrl/envs/episode.py): reset; then turn by turn the prompt (meshrl/envs/render.py)
-  as a model call, its answer added exactly as generated, the environment stepped (its tools run
-  concurrently, under timeouts), until it is done, out of turns or out of budget; then its reward;
-- an agent program (meshrl/envs/programs.py) or a verifiers episode (meshrl/envs/verifiers.py), which
-  call the model through this replica's endpoint (endpoint.py) and return the reward (programs.py).
-
-Every model call is a row of `calls` (the prompt's ids) that inference generates like any prompt, and
-a trajectory's calls join into one sample (meshrl/envs/trajectory.py), written to `samples` with its
-reward, its figures (turns, tool calls and errors, truncation, where its time went) and per token the
-loss mask, behaviour log-prob and weight version (`Outcome`).
-
-Exactly once. An environment's call row carries the whole trajectory so far (its tokens and the
-episode: state, transcript, figures) under a key (turn k of trajectory t), and any replica takes its
-answer: a replica killed mid-trajectory loses nothing, its claimed rows return to the pool and whoever
-takes them steps that turn again from the row (a tool's own side effects repeat); a row written twice
-is applied once (the data plane keeps the last 4096 keys). A program cannot resume: its calls are
-addressed to its replica, its task is acknowledged only after its sample is written (under the task's
-key), so a killed replica's programs run again from their start under new sessions, and the answers to
-their old calls are dropped as they arrive.
+A replica claims trajectory starts from `tasks` and plays many at once on asyncio, as the recipe's kind
+of episode: an `Environment` stepped between its call rows (environments.py), or an agent program or
+verifiers episode calling the model through this replica's endpoint (programs.py). Every model call is
+a row of `calls` that inference generates like any prompt; a trajectory's calls join into one sample
+(meshrl/envs/trajectory.py), written to `samples` under the task's key with its reward and figures
+(`Outcome`) before the row that finished it is acknowledged, so a killed replica loses and repeats
+nothing: an environment's trajectory resumes from its last call row on whichever replica takes it, a
+program runs again from its start.
 """
 
 from __future__ import annotations
