@@ -116,6 +116,11 @@ class Environment:
     """Tools the model may call; their schemas go to the chat template. With tools, the default `step`
     runs the turn's calls (concurrently) and ends the trajectory on a turn without calls."""
 
+    tools_in_prompt: bool = True
+    """For a chat template without a tools section: write the tool list into the system prompt (the
+    recipe's format: the Hermes block). False when `reset`'s messages describe the tools themselves (a
+    small model's short prompt: the list is trained on, as context, every step)."""
+
     limits: Limits = Limits()
     """The recipe's limits, set by the service before the first trajectory (read them, don't keep a
     copy: `self.limits.max_turns`)."""

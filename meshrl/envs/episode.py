@@ -61,9 +61,10 @@ class Episode:
                    tool_errors=Counter(saved["tool_errors"]))  # fmt: skip
 
 
-def schemas(env: Environment) -> list[Message] | None:
-    """The environment's tools as the chat template gets them."""
-    return [t.schema for t in env.tools] or None
+def schemas(env: Environment, renderer: Renderer) -> list[Message] | None:
+    """The environment's tools as the chat template gets them (none for a template without a tools
+    section when the environment describes them itself: `tools_in_prompt`)."""
+    return [t.schema for t in env.tools] or None if renderer.renders_tools or env.tools_in_prompt else None
 
 
 async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Episode:
@@ -73,7 +74,7 @@ async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Ep
         messages, state = await _within(env.reset(row), limits.step_timeout_s)
         messages = check_messages(messages, f"{type(env).__name__}.reset")
         _check_state(state, "reset")
-        ids = renderer.prompt(messages, schemas(env))
+        ids = renderer.prompt(messages, schemas(env, renderer))
     except Exception as e:
         return Episode(Trajectory(), {}, done=True, failed=_why("reset", e, limits.step_timeout_s))
     out = Episode(Trajectory(), state, list(messages))
@@ -119,7 +120,7 @@ async def advance(
     if ep.turns >= limits.max_turns:
         ep.truncated = "turns"
         return await _finish(env, ep, turn)
-    tools_ = schemas(env)
+    tools_ = schemas(env, renderer)
     ids = renderer.extend(ep.trajectory.tail, ep.transcript, messages, tools_)
     ids = ids if ids is not None else renderer.prompt([*ep.transcript, *messages], tools_)
     if len(ids) + limits.max_new_tokens > limits.max_tokens:

@@ -9,12 +9,13 @@ A good trajectory is two turns:
     tool       10865
     assistant  41 * 265 = 10865. Answer: 10865
 
-The tool reaches the model as any agent's tools do (meshrl/envs/render.py): SmolLM2's chat template has
-no tools section, so the system prompt gets the Hermes tool list and the tool's result comes in
-`<tool_response>` tags; the demonstrations carry the same tools, so `meshrl sft` renders them alike.
-The reward has two named parts: `correct` (the final answer, after "Answer:", is the row's) and `format`
-(0.1 for ending with "Answer: N"). `python -m meshrl.tasks.calculator --out FILE` writes demonstrations
-for `meshrl sft` (recipes/agent_smollm.py: the warm start before RL).
+The system prompt shows the call, so the environment sets `tools_in_prompt = False`: SmolLM2's chat
+template has no tools section, and the Hermes tool list (the JSON schema) would triple the prompt every
+step trains on. The tool's result comes in `<tool_response>` tags, as the renderer writes results for
+such a template (the demonstrations are rendered alike by `meshrl sft`). The reward has two named parts:
+`correct` (the final answer, after "Answer:", is the row's) and `format` (0.1 for ending with
+"Answer: N"). `python -m meshrl.tasks.calculator --out FILE` writes demonstrations for `meshrl sft`
+(recipes/agent_smollm.py: the warm start before RL).
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ def _eval(node: ast.AST) -> int | float:
     raise ValueError("only numbers, + - * / and parentheses are allowed")
 
 
-SYSTEM = 'Use the calculator for arithmetic, and end with "Answer: " and the number.'
-"""The task's instruction (how to call the tool is the Hermes tool list's, which follows it)."""
+SYSTEM = (
+    'You have a calculator. Call it with <tool_call>{"name": "calculator", "arguments": '
+    '{"expression": "41 * 265"}}</tool_call> and end with "Answer: " and the number.'
+)
+"""How to call the calculator, in the Hermes format (short: every token of it is trained on CPU)."""
 
 
 def answer_of(text: str) -> str | None:
@@ -82,6 +86,7 @@ class CalculatorEnv(Environment):
     """The model calls `calculator` as often as it likes; a turn without a call is its answer."""
 
     tools = (calculator,)
+    tools_in_prompt = False  # the system prompt shows the call
 
     def __init__(self, system: str = SYSTEM) -> None:
         self.system = system
@@ -121,7 +126,7 @@ def demonstrations(n: int, tool_fraction: float, seed: int = 2) -> list[dict[str
                 {"role": "tool", "content": calculator.fn(expression)},
             ]
         messages.append({"role": "assistant", "content": f"{expression} = {answer}. Answer: {answer}"})
-        out.append({"messages": messages, "tools": [calculator.schema]})
+        out.append({"messages": messages})
     return out
 
 

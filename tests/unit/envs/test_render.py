@@ -182,3 +182,32 @@ def test_keep_reasoning_keeps_the_tokens_as_generated(thinking: Any) -> None:
     assert [x for x, m in zip(t.ids[t.prompt_len :], t.mask, strict=True) if m] == [
         x for turn in turns for x in turn
     ]
+
+
+def test_an_environment_that_describes_its_tools_itself_gets_no_tool_list() -> None:
+    from meshrl.envs import tool
+
+    @tool
+    def calc(expression: str) -> int:
+        """Add.
+
+        Args:
+            expression: a sum
+        """
+        return 0
+
+    class Described(Environment):
+        tools = (calc,)
+        tools_in_prompt = False
+
+        async def reset(self, row: dict[str, Any]) -> tuple[list[Message], State]:
+            return [{"role": "system", "content": "call calc"}, {"role": "user", "content": "1+2"}], {}
+
+    listed = type("Listed", (Described,), {"tools_in_prompt": True})
+    texts = []
+    for env in (Described(), listed()):
+        env.limits = Limits(max_tokens=4096)
+        ep = asyncio.run(start(env, Renderer(Chars(), HermesParser()), {}))
+        texts.append(Chars().decode(ep.trajectory.ids))
+    assert texts[0] == "[system]call calc[user]1+2[assistant]"
+    assert texts[1].startswith("[system]call calc\n\n# Tools") and '"name": "calc"' in texts[1]
