@@ -72,7 +72,7 @@ def pack(
 
     `advantages` is one value per row (outcome estimators) or a ragged column with one per response
     token (GAE). `segments`: per row, the lengths of the independent sequences its prompt + response
-    hold (an agent's trajectory whose history was rewritten between calls, meshrl/envs/sessions.py):
+    hold (an agent's trajectory whose history was rewritten between calls, meshrl/envs/trajectory.py):
     their positions restart at 0, so no token attends across them. Vectorised over rows: a few index
     computations whatever the batch size.
     """

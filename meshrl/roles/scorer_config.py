@@ -41,7 +41,7 @@ class ScorerConfig(ServiceConfig):
             yield "max_tokens: must be >= 1"
 
     def reads(self) -> tuple[Read, ...]:
-        # an agent program's samples come in segments (meshrl/envs/sessions.py)
+        # an agent's samples come in segments (meshrl/envs/trajectory.py)
         return (Read("score", SAMPLES, (PROMPT, RESPONSE), optional=(SEGMENTS,)),)
 
     def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:

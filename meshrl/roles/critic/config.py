@@ -59,7 +59,7 @@ class CriticConfig(ServiceConfig):
 
     def reads(self) -> tuple[Read, ...]:
         return (
-            # an agent program's samples come in segments (meshrl/envs/sessions.py)
+            # an agent's samples come in segments (meshrl/envs/trajectory.py)
             Read("values", SAMPLES, (PROMPT, RESPONSE), consumer=VALUES_CONSUMER, optional=(SEGMENTS,)),
             Read(
                 "train",
