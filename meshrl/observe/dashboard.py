@@ -21,6 +21,7 @@ import json
 import math
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -225,11 +226,14 @@ def main(argv: list[str]) -> int:
         print(f"meshrl dashboard: cannot listen on {args.host}:{args.port}: {e.strerror or e} "
               "(choose another with --port, or --port 0 for any free one)", file=sys.stderr)  # fmt: skip
         return 2
+    # SIGINT or SIGTERM stops it, also where SIGINT came ignored (a background job of a script)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(f"meshrl dashboard: {url}  (run {run_dir}; Ctrl-C stops it)", flush=True)
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            pass
     finally:
         live.stop()
         server.shutdown()

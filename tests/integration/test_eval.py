@@ -62,11 +62,3 @@ def test_accuracy_counts_correct_answers_not_reward(tmp_path, tiny_model):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["greedy_reward"] == 1.0 and result["sampled_reward"] == 1.0
     assert result["greedy_accuracy"] == result["reward/reward"] < 0.5  # a random-init model: rarely right
-
-
-def test_eval_of_an_agent_program_recipe_is_refused_with_the_reason(tmp_path, tiny_model):
-    r = subprocess.run(
-        [sys.executable, "-m", "meshrl.cli", "eval", str(REPO / "recipes" / "agent_program.py"), f"*.model={tiny_model}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
-    assert r.returncode == 2 and "meshrl eval does not run agent programs (an agents group)" in r.stderr
