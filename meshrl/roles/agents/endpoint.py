@@ -31,6 +31,9 @@ from meshrl.envs.trajectory import Call as Record
 from meshrl.roles.agents import chat
 from meshrl.roles.agents.chat import ApiError, Call, Generated
 
+KEEP_ALIVE_S = 600
+"""How long an idle HTTP connection is kept open (see Endpoint.serve)."""
+
 
 @dataclass
 class Session:
@@ -115,7 +118,9 @@ class Endpoint:
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None) -> None:
         """Serve the routes over HTTP until cancelled (uvicorn, without its signal handlers: the process's
-        own shut it down; its log quiet: failures are counted here); `ready` is set once it listens."""
+        own shut it down; its log quiet: failures are counted here); `ready` is set once it listens. An
+        idle connection stays open longer than a client keeps one (httpx: 5 s): at uvicorn's 5 s the
+        server closed connections a client was reusing after a pause, and the call failed."""
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -124,7 +129,7 @@ class Endpoint:
                 yield
 
         server = Server(uvicorn.Config(self.app(), host=host, port=port, log_level="critical", access_log=False,
-                                       lifespan="off"))  # fmt: skip
+                                       lifespan="off", timeout_keep_alive=KEEP_ALIVE_S))  # fmt: skip
         serving = asyncio.ensure_future(server.serve())
         try:
             while ready is not None and not server.started and not serving.done():
