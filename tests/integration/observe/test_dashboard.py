@@ -29,6 +29,17 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
 
 
+def stop(dash: subprocess.Popen) -> None:
+    """Ctrl-C stops the dashboard in 30 s, or the test fails (and leaves no dashboard behind)."""
+    dash.send_signal(signal.SIGINT)
+    try:
+        assert dash.wait(timeout=30) == 0
+    finally:
+        if dash.poll() is None:
+            dash.kill()
+            dash.wait()
+
+
 def wait_for(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -84,8 +95,7 @@ def test_the_dashboard_draws_a_live_run_and_follows_its_steps(tmp_path, tiny_mod
     finally:
         run.send_signal(signal.SIGINT)
         out, _ = run.communicate(timeout=120)
-        dash.send_signal(signal.SIGINT)
-        dash.communicate(timeout=30)
+        stop(dash)
     assert run.returncode == 130, out[-3000:]
     assert json.loads((run_dir / "config.json").read_text())["recipe"]["total_steps"] == 400
 
@@ -120,5 +130,4 @@ def test_the_agents_panel_draws_an_agent_runs_figures(tmp_path, tiny_model):
             assert points(page, "agent_time") == 3 * 2
             browser.close()
     finally:
-        dash.send_signal(signal.SIGINT)
-        dash.communicate(timeout=30)
+        stop(dash)
