@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,6 +133,22 @@ PORT_RANGE = (10000, 32000)  # below Linux's ephemeral range (32768-60999), wher
 # local end may take a port at any moment (seen in CI as EADDRINUSE on a trainer's rendezvous port)
 PORT_STRIDE = 600  # a run's ports: base .. base + 2 + launchers_on_host * 512 + processes * 4
 _handed_out = 0
+
+
+@pytest.fixture(scope="session")
+def tok() -> Any:
+    """The tiny model's character tokenizer (meshrl/models/tiny.py)."""
+    from meshrl.models.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def thinking() -> Any:
+    """The same with a reasoning chat template that drops earlier turns' <think> blocks (Qwen3-like)."""
+    from meshrl.models.tiny import build_tokenizer
+
+    return build_tokenizer(reasoning=True)
 
 
 def free_base_port() -> int:

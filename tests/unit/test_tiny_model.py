@@ -15,11 +15,6 @@ EVERY_CLASS = "0123456789 abcdefghijklmnopqrstuvwxyz +-*/=()?.,: what is (3+4)*2
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

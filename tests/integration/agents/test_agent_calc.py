@@ -11,6 +11,7 @@ import pytest
 from meshrl.dataplane.ledger import account
 from meshrl.schema import TOOL_ERROR_KINDS
 from meshrl.tasks.agent_calc import TOOL_FRACTION, WARM_ROWS
+from tests.integration.agents.test_programs import same_report
 from tests.integration.fault.test_kill import kill_repeatedly, start
 from tests.integration.grpo.test_grpo import REPO, rows, run
 
@@ -157,6 +158,4 @@ def test_meshrl_eval_plays_the_held_out_trajectories(tmp_path: Path, format_mode
         assert 1 <= result[f"{label}/turns_mean"] <= 3, result
     assert result["greedy/tool_calls_mean"] >= 0.5 and 0 <= result["greedy/tool_success"] <= 1, result
     again = meshrl_eval()  # greedy and sampled turns are seeded as a run's evaluation: the same trajectories
-    assert {k: v for k, v in again.items() if k != "generate_s"} == {
-        k: v for k, v in result.items() if k != "generate_s"
-    }
+    assert same_report(again, result)

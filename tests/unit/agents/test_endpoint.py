@@ -18,7 +18,6 @@ import pytest
 from meshrl.envs.parsers import HermesParser, PlainParser
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import join
-from meshrl.models.tiny import build_tokenizer
 from meshrl.roles.agents import chat
 from meshrl.roles.agents.chat import ApiError, Generated
 from meshrl.roles.agents.endpoint import Endpoint, Session
@@ -59,16 +58,6 @@ def client(endpoint: Endpoint, session: str = "s") -> openai.AsyncOpenAI:
 
 def run(coroutine: Any) -> Any:
     return asyncio.run(coroutine)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def thinking() -> Any:
-    return build_tokenizer(reasoning=True)
 
 
 def test_a_session_that_sends_back_its_history_joins_the_tokens_generated(tok: Any) -> None:

@@ -13,7 +13,6 @@ from meshrl.envs import Environment, Limits, Message, State, Step, Turn, tool
 from meshrl.envs.episode import advance, start
 from meshrl.envs.parsers import PlainParser
 from meshrl.envs.render import Renderer
-from meshrl.models.tiny import build_tokenizer
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, SEGMENTS, TOKEN_VERSIONS
 from meshrl.tasks.sim import wait
 
@@ -37,11 +36,6 @@ class Calc(Environment):
     async def reward(self, state: State, final: Turn | None, transcript: list[Message]) -> dict[str, float]:
         right = final is not None and final.content.strip() == str(state["answer"])
         return {"correct": float(right), "format": 0.5}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
 
 
 def ids(tok: Any, text: str) -> list[int]:

@@ -13,18 +13,7 @@ from meshrl.envs import Environment, Limits, Message, State, Step, Turn
 from meshrl.envs.episode import advance, start
 from meshrl.envs.parsers import HermesParser, PlainParser
 from meshrl.envs.render import Renderer
-from meshrl.models.tiny import build_tokenizer
 from meshrl.schema import LOGPROBS, LOSS_MASK, PROMPT, RESPONSE, SEGMENTS, TOKEN_VERSIONS
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def thinking() -> Any:
-    return build_tokenizer(reasoning=True)
 
 
 def ids(tok: Any, text: str) -> list[int]:
