@@ -81,6 +81,7 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from meshrl.dataplane import Batch, Ragged
+    from meshrl.models import vision
     from meshrl.roles.inference.engine import build_engine
     from meshrl.roles.rollout import reward_functions
     from meshrl.roles.rollout.data import encode, load_rows
@@ -94,10 +95,12 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
     if inference.threads:
         torch.set_num_threads(inference.threads)
     tokenizer = AutoTokenizer.from_pretrained(rollout.model)
+    processor = vision.load_processor(rollout.model) if vision.is_vision(rollout.model) else None
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     engine = build_engine(inference, device=device, seed=recipe.seed, work_dir=None)
     t0 = time.perf_counter()
-    prompts = [encode(tokenizer, rollout, r).tolist() for r in rows]
+    encoded = [encode(processor or tokenizer, rollout, r, f"held-out row {i}") for i, r in enumerate(rows)]
+    prompts = [(p.ids.tolist(), p.images) for p in encoded]
     meta: list[dict[str, Any]] = [{GREEDY: k == 0, PROMPT_ID: i, MEMBER: k, EVAL_VERSION: 0}
             for i in range(len(rows)) for k in range(1 + rollout.eval_samples)]  # fmt: skip
     completions = generate(engine, inference, recipe, prompts, meta)
@@ -114,7 +117,7 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
 
 
 def generate(
-    engine: Any, inference: Any, recipe: Any, prompts: list[list[int]], meta: list[dict[str, Any]]
+    engine: Any, inference: Any, recipe: Any, prompts: list[tuple[list[int], Any]], meta: list[dict[str, Any]]
 ) -> list[list[int]]:
     """One completion per meta row (greedy or sampled), in batches of `inference.max_batch`, seeded as
     the inference service seeds evaluation rows."""
@@ -126,7 +129,13 @@ def generate(
         for start in range(0, len(todo), inference.max_batch):
             part = todo[start : start + inference.max_batch]
             seeds = [seed_of(recipe, meta[j][PROMPT_ID], meta[j][MEMBER]) for j in part]
-            done = engine.generate([prompts[meta[j][PROMPT_ID]] for j in part], params, seeds=seeds)
+            ids, images = zip(*(prompts[meta[j][PROMPT_ID]] for j in part), strict=True)
+            done = engine.generate(
+                list(ids),
+                params,
+                seeds=seeds,
+                images=None if all(i is None for i in images) else list(images),
+            )
             for j, c in zip(part, done, strict=True):
                 out[j] = c.tokens
     return out

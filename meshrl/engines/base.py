@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from meshrl.models.vision import Images
     from meshrl.runtime.weights import Member
 
 
@@ -122,8 +123,13 @@ class InferenceEngine(abc.ABC):
         *,
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
+        images: list[Images | None] | None = None,
     ) -> list[Completion]:
         """One completion per prompt, in the order of `prompts`.
+
+        `images` (a vision-language model's; one entry per prompt, None for a prompt without): the pixels
+        of the images whose placeholders the prompt's tokens hold, as the model's processor made them
+        (meshrl/models/vision.py). An engine that cannot take them raises ValueError saying so.
 
         `seeds` (one per prompt, like vLLM's per-request seed) make each completion a function of its own
         prompt, seed and the weights, whatever else is in the batch; without them `params.seed` seeds the

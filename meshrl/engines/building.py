@@ -17,6 +17,7 @@ from meshrl.algorithms.chunked import head_is_linear
 from meshrl.engines import checkpoints
 from meshrl.engines.lora import add_adapters
 from meshrl.engines.settings import LoraConfig, MemoryConfig
+from meshrl.models.vision import VISION_MODULES, load_model, vision_tower
 
 
 @dataclass
@@ -38,10 +39,12 @@ def build(
     compute_dtype: torch.dtype,
     device: torch.device,
     world: int,
+    train_vision: bool = False,
 ) -> Built:
     """The model of `head` ("lm", "value", "lm+value": see FSDPEngine) ready to train on `device`: value
     head, activation checkpointing, LoRA adapters, FSDP over `world` ranks (one rank: not wrapped, FSDP's
-    hooks would be pure overhead)."""
+    hooks would be pure overhead). A vision-language model's vision tower is frozen (and gets no
+    adapters) unless `train_vision`; its connector trains with the language model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -49,6 +52,9 @@ def build(
         raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
     model = load(model_path, head, loader_kwargs)
     config = model.config
+    tower = vision_tower(model)
+    if tower is not None and not train_vision:
+        tower.requires_grad_(False)
     logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
     if head == "lm+value":
         model.value_head = checkpoints.value_head(model, model_path)
@@ -60,7 +66,12 @@ def build(
     if lora is not None:
         if head != "lm":
             raise ValueError("LoRA trains a policy (head 'lm')")
-        model = add_adapters(model, lora, frozen_dtype=compute_dtype)
+        model = add_adapters(
+            model,
+            lora,
+            frozen_dtype=compute_dtype,
+            exclude=None if tower is None or train_vision else VISION_MODULES,
+        )
     if world > 1:
         mesh = init_device_mesh(device.type, (world,))
         shard = functools.partial(fully_shard, mesh=mesh, **mixed_precision(compute_dtype))
@@ -74,7 +85,13 @@ def build(
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of an HF causal LM (each becomes one FSDP unit)."""
-    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+    for attr in (
+        "model.layers",
+        "transformer.h",
+        "gpt_neox.layers",
+        "model.decoder.layers",
+        "model.text_model.layers",
+    ):
         obj: Any = model
         for part in attr.split("."):
             obj = getattr(obj, part, None)
@@ -88,13 +105,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def load(model_path: str, head: str, loader_kwargs: dict[str, Any] | None) -> Any:
     """The HF model of `head`, in float32 whatever its checkpoint's dtype (the master weights: updates
     in bf16 round small steps away; a critic's loader_kwargs may still choose), without a KV cache."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
     kwargs = {"dtype": torch.float32, **(loader_kwargs or {})}
     if head == "value":
         model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        model = load_model(model_path, **kwargs)
     model.config.use_cache = False
     return model
 

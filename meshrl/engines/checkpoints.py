@@ -73,12 +73,23 @@ def write_pretrained(
 ) -> None:
     """A full state dict as a Hugging Face checkpoint in `path` (see `save_pretrained`)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     head: dict[str, Any] = {
         k.removeprefix("value_head."): state.pop(k) for k in list(state) if k.startswith("value_head.")
     }
-    auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    vision = getattr(hf_config, "vision_config", None) is not None
+    auto = (
+        AutoModelForTokenClassification
+        if critic
+        else AutoModelForImageTextToText
+        if vision
+        else AutoModelForCausalLM
+    )
     with torch.device("meta"):
         shell = auto.from_config(hf_config)
     shell.load_state_dict(state, assign=True, strict=False)  # tied weights may be named once

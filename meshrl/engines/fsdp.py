@@ -47,6 +47,7 @@ from meshrl.engines.settings import (
     OptimConfig,
     ValueHeadConfig,
 )
+from meshrl.models.vision import model_inputs
 from meshrl.observe.metrics import merged
 
 HEADS = ("lm", "value", "lm+value")
@@ -69,6 +70,7 @@ class FSDPEngine:
         head: str = "lm",
         temperature: float = 1.0,
         publish_adapters: bool = False,
+        train_vision: bool = False,
     ) -> None:
         """head "lm": a policy (AutoModelForCausalLM); "value": a critic, the same backbone with a scalar
         head per token (AutoModelForTokenClassification, num_labels=1, the head freshly initialised when
@@ -79,7 +81,8 @@ class FSDPEngine:
         distribution inference samples. `total_steps`: optimizer steps the learning-rate schedule spans.
         The sections `optim`, `memory` and `lora` are meshrl/engines/settings.py's; under bf16-mixed the
         model is loaded and kept in float32 (master weights) and published in bfloat16, and with
-        `publish_adapters` a LoRA policy publishes its adapters alone."""
+        `publish_adapters` a LoRA policy publishes its adapters alone. A vision-language model's vision
+        tower stays frozen unless `train_vision`."""
         if head not in HEADS:
             raise ValueError(f"head must be one of {HEADS}, not {head!r}")
         self.lora = lora if lora is not None and lora.rank > 0 else None
@@ -93,7 +96,15 @@ class FSDPEngine:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         built = build(
-            model_path, head, loader_kwargs, memory, self.lora, self.compute_dtype, device, self.world
+            model_path,
+            head,
+            loader_kwargs,
+            memory,
+            self.lora,
+            self.compute_dtype,
+            device,
+            self.world,
+            train_vision,
         )
         model, self.hf_config = built.model, built.model_config
         # values need the last hidden state, not the logits: most HF models can skip all but one
@@ -145,10 +156,12 @@ class FSDPEngine:
 
     def _inputs(self, mb: TrainBatch) -> dict[str, torch.Tensor | None]:
         """The model's inputs for `mb`: with position ids (samples packed into rows, `packing.py`) no
-        attention mask, so that transformers derives a block-diagonal one from the restarting positions."""
+        attention mask, so that transformers derives a block-diagonal one from the restarting positions;
+        a vision-language model's images (`vision.model_inputs`)."""
+        pixels = {} if mb.images is None else model_inputs(mb.images, self.device)
         if mb.position_ids is not None:
-            return {"position_ids": mb.position_ids.to(self.device), "attention_mask": None}
-        return {"attention_mask": mb.attention_mask.to(self.device)}
+            return {"position_ids": mb.position_ids.to(self.device), "attention_mask": None, **pixels}
+        return {"attention_mask": mb.attention_mask.to(self.device), **pixels}
 
     def forward_logprobs(self, mb: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [n, L-1] of the next tokens, entropy [n, L-1]) under logits / temperature, at the

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from meshrl.engines.base import (
@@ -27,6 +27,7 @@ from meshrl.engines.base import (
     SamplingParams,
     check_token_ids,
 )
+from meshrl.models.vision import Images, load_model, model_inputs
 
 # Finished rows are removed from the batch (and its KV cache) once they are at least this fraction of it:
 # the copy of the cache costs about one decoding step, so doing it on every finished row would not pay.
@@ -142,6 +143,10 @@ class HFEngine(InferenceEngine):
         pad = getattr(self.model.config, "pad_token_id", None)
         self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         self._eos = self._find_eos()
+        # a vision-language model's image placeholder is not text: a completion that samples it ends
+        # before it (every forward of the sequence then finds exactly its prompt's images' tokens)
+        image = getattr(self.model.config, "image_token_id", None)
+        self._placeholders = [image] if isinstance(image, int) else []
         # Every name, tied aliases included (loading "lm_head.weight" of a tied model writes the shared
         # tensor); the listing names each tensor once, like named_parameters().
         self._by_name = dict(self.model.named_parameters(remove_duplicate=False))
@@ -156,11 +161,10 @@ class HFEngine(InferenceEngine):
         if not path.is_dir():
             raise ValueError(f"model path {model_path!r} is not a directory (expected a save_pretrained one)")
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_path, **(loader_kwargs or {}))
+            model = load_model(model_path, **(loader_kwargs or {}))
         except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"cannot load a causal LM from {model_path!r}: {e}") from e
-        # mypy misreads the signature of PreTrainedModel.to (transformers wraps nn.Module.to).
-        model.to(self.device)  # type: ignore[arg-type]
+            raise ValueError(f"cannot load a language model from {model_path!r}: {e}") from e
+        model.to(self.device)
         return model.eval().requires_grad_(False)
 
     def _find_eos(self) -> list[int]:
@@ -224,11 +228,14 @@ class HFEngine(InferenceEngine):
         *,
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
+        images: list[Images | None] | None = None,
     ) -> list[Completion]:
         if not prompts:
             return []
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
         check_token_ids(prompts, self.vocab_size, "prompts")
         generator = torch.Generator(device=self.device)
         if params.seed is None:
@@ -236,7 +243,9 @@ class HFEngine(InferenceEngine):
         else:
             generator.manual_seed(params.seed)
         stop = torch.tensor(
-            sorted({*self._eos, *params.stop_token_ids}), dtype=torch.long, device=self.device
+            sorted({*self._eos, *params.stop_token_ids, *self._placeholders}),
+            dtype=torch.long,
+            device=self.device,
         )
         order = list(range(len(prompts)))
         if len(prompts) > self.max_batch_size:
@@ -244,8 +253,9 @@ class HFEngine(InferenceEngine):
         results: list[Completion | None] = [None] * len(prompts)
         for chunk in self._chunks(order):
             row_seeds = None if seeds is None else [seeds[i] for i in chunk]
+            pixels = model_inputs([images[i] for i in chunk], self.device) if images is not None else {}
             done = self._generate_batch(
-                [prompts[i] for i in chunk], params, generator, stop, interrupt, row_seeds
+                [prompts[i] for i in chunk], params, generator, stop, interrupt, row_seeds, pixels
             )
             for i, completion in zip(chunk, done, strict=True):
                 results[i] = completion
@@ -262,7 +272,10 @@ class HFEngine(InferenceEngine):
         stop: torch.Tensor,
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
+        pixels: dict[str, torch.Tensor] | None = None,
     ) -> list[Completion]:
+        """`pixels`: a vision-language model's image inputs of these rows (`vision.model_inputs`), taken
+        by the prompts' forward only (the KV cache holds them from then on)."""
         dev, steps = self.device, params.max_new_tokens
         row_seeds = (
             None if seeds is None else torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64)
@@ -280,6 +293,7 @@ class HFEngine(InferenceEngine):
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **(pixels or {}),
         )
         compactable = self._compactable(cache)
         batch = len(prompts)
@@ -322,6 +336,9 @@ class HFEngine(InferenceEngine):
         is_stop = torch.isin(tokens_out, stop)
         stopped = is_stop.any(-1)
         lengths = torch.where(stopped, is_stop.int().argmax(-1) + 1, produced)
+        if self._placeholders:
+            last = tokens_out.gather(1, (lengths - 1).clamp_min(0)[:, None]).squeeze(1)
+            lengths -= (stopped & torch.isin(last, torch.tensor(self._placeholders, device=dev))).long()
         unfinished = FINISH_LENGTH if produced == steps else FINISH_INTERRUPTED
         toks, lps = tokens_out.tolist(), logprobs_out.tolist()
         return [
@@ -337,7 +354,12 @@ class HFEngine(InferenceEngine):
 
     @torch.inference_mode()
     def score(
-        self, sequences: list[list[int]], prompt_lens: list[int], *, temperature: float = 1.0
+        self,
+        sequences: list[list[int]],
+        prompt_lens: list[int],
+        *,
+        temperature: float = 1.0,
+        images: list[Images | None] | None = None,
     ) -> list[list[float]]:
         if len(sequences) != len(prompt_lens):
             raise ValueError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt_lens")
@@ -359,7 +381,8 @@ class HFEngine(InferenceEngine):
                 [s + [self._pad_id] * (width - len(s)) for s in seqs], device=self.device
             )
             mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=self.device)
-            out = self.model(input_ids=input_ids, attention_mask=mask, logits_to_keep=width - first)
+            pixels = model_inputs([images[i] for i in chunk], self.device) if images is not None else {}
+            out = self.model(input_ids=input_ids, attention_mask=mask, logits_to_keep=width - first, **pixels)
             scaled = _scaled(out.logits[:, :-1, :], temperature)  # positions first .. width - 2
             logprobs = _token_logprobs(scaled, input_ids[:, first + 1 :]).tolist()
             for row, i in enumerate(chunk):

@@ -21,15 +21,17 @@ import torch
 ADAPTER = "default"
 
 
-def add_adapters(model: Any, lora: Any, frozen_dtype: torch.dtype) -> Any:
-    """`model` with LoRA adapters (`lora`: rank, alpha, target_modules, dropout) on the target modules,
-    only they trainable (float32), the rest frozen in `frozen_dtype`."""
+def add_adapters(model: Any, lora: Any, frozen_dtype: torch.dtype, exclude: str | None = None) -> Any:
+    """`model` with LoRA adapters (`lora`: rank, alpha, target_modules, dropout) on the target modules
+    (but none whose name matches the regex `exclude`), only they trainable (float32), the rest frozen in
+    `frozen_dtype`."""
     from peft import LoraConfig, get_peft_model
 
     targets = "all-linear" if tuple(lora.target_modules) == ("all-linear",) else list(lora.target_modules)
     config = LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout, bias="none"
-    )
+        r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout, bias="none",
+        exclude_modules=exclude,
+    )  # fmt: skip
     peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
     for p in peft_model.parameters():
         p.data = p.data.float() if p.requires_grad else p.data.to(frozen_dtype)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from meshrl.dataplane.batch import Ragged
+from meshrl.models.vision import Images
 
 
 @dataclass
@@ -30,6 +31,9 @@ class TrainBatch:
     # logprobs [n, L-1]
     teachers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     position_ids: torch.Tensor | None = None  # [n, L] when several samples share a row (restarting at 0)
+    # a vision-language model's images, per sample in the order the rows hold them (None: one without);
+    # a forward takes those of its rows concatenated, in the order their image tokens appear
+    images: list[Images | None] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -50,6 +54,7 @@ class TrainBatch:
             returns=pick(self.returns),
             teachers={k: tuple(pick(t) for t in v) for k, v in self.teachers.items()},  # type: ignore[misc]
             position_ids=None if self.position_ids is None else self.position_ids[index][:, :width],
+            images=None if self.images is None else [self.images[i] for i in index.tolist()],
         )
 
 
@@ -67,6 +72,7 @@ def pack(
     teachers: dict[str, tuple[Ragged, Ragged, Ragged]] | None = None,
     loss_mask: Ragged | None = None,
     segments: Ragged | None = None,
+    images: list[Images | None] | None = None,
 ) -> TrainBatch:
     """Right-pad prompt+response rows; align per-response-token values to the positions predicting them.
 
@@ -111,7 +117,7 @@ def pack(
     }
     return TrainBatch(
         ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill,
-        position_ids=segment_positions(segments, width),
+        position_ids=segment_positions(segments, width), images=images,
     )  # fmt: skip
 
 
@@ -214,4 +220,5 @@ def _packed_rows(batch: TrainBatch, rows: list[list[int]], lengths: list[int]) -
         returns=tokens(batch.returns),
         teachers={k: tuple(tokens(t) for t in v) for k, v in batch.teachers.items()},
         position_ids=pos,
+        images=None if batch.images is None else [batch.images[i] for r in rows for i in r],
     )

@@ -118,7 +118,12 @@ class SGLangEngine(InferenceEngine):
         *,
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
+        images: list[Any] | None = None,
     ) -> list[Completion]:
+        if images is not None and any(i is not None for i in images):
+            raise ValueError(
+                "the SGLang engine does not take images yet: use the hf engine for a vision-language model"
+            )
         check_token_ids(prompts, self.facts.vocab_size, "prompts")
         sampling = [self._sampling(params, seed) for seed in request_seeds(len(prompts), params.seed, seeds)]
         rids = [f"meshrl-{self._next_id + i}" for i in range(len(prompts))]

@@ -43,6 +43,7 @@ class SimInferenceEngine(InferenceEngine):
         *,
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
+        images: list[Any] | None = None,
     ) -> list[Completion]:
         lengths = self.lengths(len(prompts), params.max_new_tokens)
         steps = max(lengths, default=0)

@@ -242,7 +242,12 @@ class VLLMEngine(InferenceEngine):
         *,
         interrupt: Callable[[], bool] | None = None,
         seeds: list[int] | None = None,
+        images: list[Any] | None = None,
     ) -> list[Completion]:
+        if images is not None and any(i is not None for i in images):
+            raise ValueError(
+                "the vLLM engine does not take images yet: use the hf engine for a vision-language model"
+            )
         check_token_ids(prompts, self.vocab_size, "prompts")
         ids: dict[str, int] = {}
         per_request = request_seeds(len(prompts), params.seed, seeds)

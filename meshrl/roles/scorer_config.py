@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from meshrl.models.hub import missing
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read
-from meshrl.schema import PROMPT, RESPONSE, SAMPLES, SEGMENTS
+from meshrl.schema import IMAGE_MASK, IMAGES, PROMPT, RESPONSE, SAMPLES, SEGMENTS
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import RunSettings, ServiceGroup
@@ -42,7 +42,7 @@ class ScorerConfig(ServiceConfig):
 
     def reads(self) -> tuple[Read, ...]:
         # an agent's samples come in segments (meshrl/envs/trajectory.py)
-        return (Read("score", SAMPLES, (PROMPT, RESPONSE), optional=(SEGMENTS,)),)
+        return (Read("score", SAMPLES, (PROMPT, RESPONSE), optional=(SEGMENTS, IMAGES, IMAGE_MASK)),)
 
     def check(self, run: RunSettings, group: ServiceGroup, wiring: Wiring) -> list[str]:
         problems = []

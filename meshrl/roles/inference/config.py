@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from meshrl.engines.settings import INSTALL, SGLangSettings, SimGeneration, VLLMSettings, installed
 from meshrl.models.hub import missing
+from meshrl.models.vision import is_vision
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
-from meshrl.schema import CALLS, EVAL, GENERATED, PROMPT, SAMPLES
+from meshrl.schema import CALLS, EVAL, GENERATED, IMAGE_MASK, IMAGES, PROMPT, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import RunSettings, ServiceGroup
@@ -64,8 +65,10 @@ class InferenceConfig(ServiceConfig):
     def reads(self) -> tuple[Read, ...]:
         # prompts to complete: agents' model calls where an agents group makes them, else rollout's samples
         return (
-            Read("generate", (CALLS, SAMPLES), (PROMPT,), consumer="inference"),
-            Read("evaluate", EVAL, (PROMPT,), consumer="inference"),
+            Read(
+                "generate", (CALLS, SAMPLES), (PROMPT,), consumer="inference", optional=(IMAGES, IMAGE_MASK)
+            ),
+            Read("evaluate", EVAL, (PROMPT,), consumer="inference", optional=(IMAGES, IMAGE_MASK)),
         )
 
     def writes(self) -> tuple[Write, ...]:
@@ -88,6 +91,11 @@ class InferenceConfig(ServiceConfig):
             problems.append(missing(self.model))
         if self.engine in ("vllm", "sglang"):
             name = "vLLM" if self.engine == "vllm" else "SGLang"
+            if Path(self.model).exists() and is_vision(self.model):
+                problems.append(
+                    f"engine: {self.model} is a vision-language model, whose images the {name} engine does not "
+                    "take yet; use the hf engine"
+                )
             if not installed(self.engine):
                 problems.append(
                     f"engine: {self.engine!r} needs {name}, which is not installed: {INSTALL[self.engine]}"

@@ -35,6 +35,7 @@ import torch
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.missing import put_missing_async
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
+from meshrl.models import vision
 from meshrl.roles.inference.config import InferenceConfig
 from meshrl.roles.inference.engine import build_engine, row_seed
 from meshrl.roles.inference.receive import Receiver
@@ -324,6 +325,7 @@ class InferenceService(Service):
         new weights and record both versions; a batch preempted in a ring starts again once the devices
         are back."""
         prompts = [batch.ragged(PROMPT)[i].tolist() for i in rows]
+        images = vision.from_batch(batch, rows)
         wants = self.sampling(batch, rows, evaluation)
         seeds = self.row_seeds(batch, rows)
         out = Completions.empty(len(rows))
@@ -337,6 +339,7 @@ class InferenceService(Service):
                     done = self.engine.generate(
                         [prompts[i] + out.tokens[i] for i in same], params, interrupt=interrupt,
                         seeds=[(seeds[i] * 4099 + len(out.tokens[i])) % 2**63 for i in same],
+                        images=None if images is None else [images[i] for i in same],
                     )  # fmt: skip
                     for i, c in zip(same, done, strict=True):
                         out.first[i] = version if out.first[i] < 0 else out.first[i]

@@ -8,6 +8,8 @@ import torch
 
 from meshrl.algorithms.losses import token_logprobs
 from meshrl.dataplane import Batch, Ragged
+from meshrl.models import vision
+from meshrl.models.vision import Images, load_model, model_inputs
 from meshrl.roles.reference.config import ReferenceConfig
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
 from meshrl.schema import PROMPT, REF_LOGPROBS, RESPONSE, SEGMENTS
@@ -15,12 +17,10 @@ from meshrl.schema import PROMPT, REF_LOGPROBS, RESPONSE, SEGMENTS
 
 class ReferenceService(ScorerService):
     def load(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         cfg = self.ctx.config
         assert isinstance(cfg, ReferenceConfig)
         self.temperature = self.ctx.run.temperature
-        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model, **cfg.loader_kwargs)
+        model: Any = load_model(cfg.model, **cfg.loader_kwargs)
         self.model = model.to(self.ctx.device).eval()
         self.pad_id = int(self.model.config.pad_token_id or 0)
 
@@ -28,7 +28,7 @@ class ReferenceService(ScorerService):
         lp = response_logprobs(
             self.model, batch.ragged(PROMPT), batch.ragged(RESPONSE), temperature=self.temperature,
             max_tokens=self.config.max_tokens, pad_id=self.pad_id, device=self.ctx.device,
-            segments=batch.ragged(SEGMENTS) if SEGMENTS in batch else None,
+            segments=batch.ragged(SEGMENTS) if SEGMENTS in batch else None, images=vision.from_batch(batch),
         )  # fmt: skip
         return {REF_LOGPROBS: lp}
 
@@ -43,13 +43,16 @@ def response_logprobs(
     pad_id: int = 0,
     device: torch.device | str = "cpu",
     segments: Ragged | None = None,
+    images: list[Images | None] | None = None,
 ) -> Ragged:
-    """Log-probability of every response token given its prompt and the response before it (within
-    its own segment, where a row holds several)."""
+    """Log-probability of every response token given its prompt (and its images) and the response
+    before it (within its own segment, where a row holds several)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for index in token_batches(prompts.lengths + responses.lengths, max_tokens):
         padded = right_padded(prompts, responses, index, pad_id, segments)
         inputs = {k: v if v is None else v.to(device) for k, v in padded.items()}
+        if images is not None:
+            inputs |= model_inputs([images[i] for i in index.tolist()], device)
         logits = model(**inputs, use_cache=False).logits[:, :-1]  # no cache: it would also hide segments
         ids = padded["input_ids"]
         assert ids is not None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from meshrl.engines.settings import GAESettings, KLConfig
 from meshrl.models.hub import missing
+from meshrl.models.vision import DEFAULT_MAX_PIXELS, check_model, is_vision
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
 from meshrl.schema import (
@@ -19,6 +20,8 @@ from meshrl.schema import (
     ENV_REWARD,
     EVAL,
     GATE,
+    IMAGE_MASK,
+    IMAGES,
     LOGPROBS,
     PROMPT,
     REF_LOGPROBS,
@@ -102,6 +105,13 @@ class RolloutConfig(ServiceConfig):
     """A system message put before each prompt (prompts then go through the chat template)."""
     chat_template: bool = False
     """Render string prompts with the tokenizer's chat template (as one user message)."""
+    images_field: str = "images"
+    """A vision-language model's rows: the column of images that the prompt's `{"type": "image"}` parts
+    stand for, in order (PIL images, file paths, `datasets` Image values, bytes or data URLs). Images
+    may also sit in the messages themselves (an OpenAI `image_url` part, an `image` part with the image)."""
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    """An image larger than this (width x height, as decoded) is an error naming its row; the processor
+    then resizes what is within it (its own settings, in the model folder)."""
     rewards: dict[str, float] = field(default_factory=dict)
     """Every source of the reward trained on, with its weight (no default: a recipe names them):
     reward functions by import path, `"pkg.mod:fn"` (batched `fn(prompts, completions, **columns) ->
@@ -183,6 +193,8 @@ class RolloutConfig(ServiceConfig):
             yield "streaming: needs max_rows (how many rows of the stream to read)"
         if self.max_prompt_len < 1:
             yield "max_prompt_len: must be >= 1"
+        if self.max_pixels < 1:
+            yield "max_pixels: must be >= 1"
         if self.values == "trainer" and self.advantage != "gae":
             yield "values: 'trainer' is for advantage=gae"
         if not 0 < self.max_filtered_fraction <= 1:
@@ -233,6 +245,11 @@ class RolloutConfig(ServiceConfig):
         return cols
 
     @property
+    def image_columns(self) -> tuple[str, ...]:
+        """What rollout writes of a prompt's images: a vision-language model's (every row, maybe none)."""
+        return (IMAGES, IMAGE_MASK) if Path(self.model).exists() and is_vision(self.model) else ()
+
+    @property
     def advantage_columns(self) -> tuple[str, ...]:
         """What scoring writes besides `reward` and `valid`."""
         if self.advantage != "gae":
@@ -249,9 +266,9 @@ class RolloutConfig(ServiceConfig):
     def writes(self) -> tuple[Write, ...]:
         return (
             # prompts: trajectory starts where an environment takes them (agents), else samples
-            Write("feed", (TASKS, SAMPLES), (PROMPT,)),
+            Write("feed", (TASKS, SAMPLES), (PROMPT, *self.image_columns)),
             Write("scores", SAMPLES, (REWARD, *self.advantage_columns, VALID)),
-            Write("evaluate", EVAL, (PROMPT,)),
+            Write("evaluate", EVAL, (PROMPT, *self.image_columns)),
         )
 
     def offers(self) -> dict[str, Any]:
@@ -263,6 +280,8 @@ class RolloutConfig(ServiceConfig):
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))
+        elif is_vision(self.model) and (why := check_model(self.model)):
+            problems.append(f"model: {why}")
         if self.dataset.startswith(VERIFIERS) and importlib.util.find_spec("verifiers") is None:
             problems.append(
                 f"dataset: {self.dataset!r} needs verifiers 0.4.0: pip install 'meshrl[verifiers]'"

@@ -10,39 +10,86 @@ import itertools
 import json
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from meshrl.models.vision import Images, decode, split_messages
+from meshrl.models.vision import encode as encode_images
 from meshrl.roles.rollout.config import BUILTIN_TASKS, VERIFIERS, RolloutConfig
 
 
-def encode(tokenizer: Any, cfg: RolloutConfig, row: dict[str, Any]) -> torch.Tensor:
-    """The prompt's token ids. A list of chat messages, or any prompt when a system prompt or the chat
+@dataclass(frozen=True)
+class Prompt:
+    """A row's prompt as the model takes it: token ids, and a vision-language model's images."""
+
+    ids: torch.Tensor
+    images: Images | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def encode(tokenizer: Any, cfg: RolloutConfig, row: dict[str, Any], where: str = "") -> Prompt:
+    """The prompt of `row`. A list of chat messages, or any prompt when a system prompt or the chat
     template is asked for, goes through the tokenizer's chat template (a string as one user message,
-    the system prompt put first unless the messages bring their own)."""
+    the system prompt put first unless the messages bring their own). A vision-language model's
+    processor (in place of the tokenizer) also turns the row's images into pixels: those of
+    `cfg.images_field` for the `{"type": "image"}` parts, and those the messages carry. An image that
+    does not decode or is over `cfg.max_pixels`, or images for a text model, raise ValueError naming
+    the row (`where`, else its line)."""
+    where = where or f"{cfg.dataset}: row {row.get('_line', '?')}"
     prompt = row[cfg.prompt_field]
+    vision = hasattr(tokenizer, "image_processor")
     ids: Any
-    if isinstance(prompt, list) or cfg.chat_template or cfg.system_prompt is not None:
+    if isinstance(prompt, list) or cfg.chat_template or cfg.system_prompt is not None or vision:
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         if cfg.system_prompt is not None and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        messages, carried = split_messages(messages, where, cfg.max_pixels)
+        listed = row.get(cfg.images_field) or []
+        listed = listed if isinstance(listed, list) else [listed]
+        images = [decode(i, where, cfg.max_pixels) for i in listed] + carried
+        if vision:
+            ids, pixels = encode_images(tokenizer, messages, images, where)
+            return Prompt(ids, pixels)
+        if images or any(_has_image_part(m) for m in messages):
+            raise ValueError(
+                f"{where}: a row with images, for a model that is not a vision-language one ({cfg.model})"
+            )
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     else:
         ids = tokenizer(str(prompt))["input_ids"]
-    return torch.tensor(list(ids), dtype=torch.int64)
+    return Prompt(torch.tensor(list(ids), dtype=torch.int64))
+
+
+def _has_image_part(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in content
+    )
 
 
 def check_lengths(
-    rows: list[dict[str, Any]], encode: Callable[[dict[str, Any]], torch.Tensor], max_len: int
+    rows: list[dict[str, Any]], encode: Callable[[dict[str, Any]], Prompt], max_len: int
 ) -> None:
-    """Stop at start-up when most of the first rows do not fit `max_len` tokens: a run that skips
-    most of its data is a setting to raise, not a run to start (a chat template and system prompt
-    easily add 30+ tokens to every prompt)."""
-    sample = rows[:64]
-    lengths = sorted(len(encode(r)) for r in sample)
+    """Stop at start-up when most of the first rows cannot be encoded (an image that does not decode)
+    or do not fit `max_len` tokens: a run that skips most of its data is a setting to raise or data to
+    fix, not a run to start (a chat template and system prompt easily add 30+ tokens to every prompt)."""
+    sample, errors = [], []
+    for r in rows[:64]:
+        try:
+            sample.append(encode(r))
+        except ValueError as e:
+            errors.append(str(e))
+    if errors and len(errors) > len(rows[:64]) // 2:
+        raise ValueError(
+            f"{len(errors)} of the first {len(rows[:64])} prompts cannot be encoded; the first: {errors[0]}"
+        )
+    lengths = sorted(len(p) for p in sample)
     too_long = sum(n > max_len for n in lengths)
     if sample and too_long > len(sample) // 2:
         raise ValueError(

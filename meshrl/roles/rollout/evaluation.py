@@ -22,13 +22,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import torch
-
 from meshrl.dataplane import AsyncClient, Batch
 from meshrl.dataplane.protocol import Meta
+from meshrl.models.vision import Images
+from meshrl.models.vision import columns as image_columns
 from meshrl.observe.metrics import JsonlSink, Metrics
 from meshrl.planning.wiring import Claim
 from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.data import Prompt
 from meshrl.roles.rollout.reward_functions import Scored
 from meshrl.roles.rollout.state import EvalResult, RolloutState
 from meshrl.runtime.service import WATCH_S
@@ -52,13 +53,16 @@ class Evaluation:
         cfg: RolloutConfig,
         state: RolloutState,
         rows: list[dict[str, Any]],
-        encode: Callable[[dict[str, Any]], torch.Tensor],
+        encode: Callable[[dict[str, Any], int], Prompt],
         rewards: Callable[[Batch, list[dict[str, Any]]], Awaitable[Scored]],
         sink: JsonlSink,
         claim: Claim,
+        no_images: Images | None = None,
     ) -> None:
-        """Puts `rows` into the evaluation partition and collects them back through `claim`."""
+        """Puts `rows` into the evaluation partition and collects them back through `claim` (with their
+        images, `no_images` standing for none, for a vision-language model)."""
         self.cfg, self.state, self.rows, self.encode, self.rewards = cfg, state, rows, encode, rewards
+        self.no_images = no_images
         self.claim = claim
         self.sink, self.path = sink, sink.path
         self.recorded: set[int] = set()  # versions whose line is in the file (a re-joining process reads it)
@@ -75,15 +79,18 @@ class Evaluation:
 
     async def put(self, client: AsyncClient, key: str, version: int) -> None:
         """The held-out prompts for `version`: one greedy and `eval_samples` sampled rows each."""
-        prompts: list[torch.Tensor] = []
+        prompts: list[Prompt] = []
         meta: list[Meta] = []
         for index, row in enumerate(self.rows):
-            tokens = self.encode(row)
+            tokens = self.encode(row, index)
             for k in range(1 + self.cfg.eval_samples):
                 prompts.append(tokens)
                 meta.append({EVAL_VERSION: version, GREEDY: k == 0, PROMPT_ID: index, MEMBER: k,
                              MIN_VERSION: version})  # fmt: skip
-        await client.put(self.claim.partition, {PROMPT: prompts}, meta=meta, timeout=3600, key=key)
+        columns: dict[str, Any] = {PROMPT: [p.ids for p in prompts]}
+        if self.no_images is not None:
+            columns |= image_columns([p.images for p in prompts], self.no_images)
+        await client.put(self.claim.partition, columns, meta=meta, timeout=3600, key=key)
 
     async def run(
         self, client: AsyncClient, pause: Pause, persist: Callable[[], None], after: Callable[[], None]

@@ -20,12 +20,13 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from meshrl.dataplane import AsyncClient
 from meshrl.dataplane.protocol import Meta
+from meshrl.models.vision import Images
+from meshrl.models.vision import columns as image_columns
 from meshrl.planning.recipe import RunSettings
 from meshrl.roles.rollout.config import RolloutConfig
+from meshrl.roles.rollout.data import Prompt
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.schema import EPOCH, GROUP, MEMBER, MIN_VERSION, PROMPT, PROMPT_ID, TASK
 from meshrl.state.checkpoint import Pause
@@ -42,14 +43,17 @@ class Feed:
         settings: RunSettings,
         state: RolloutState,
         rows: list[dict[str, Any]],
-        encode: Callable[[dict[str, Any]], torch.Tensor],
+        encode: Callable[[dict[str, Any], int], Prompt],
         *,
         seed: int,
         name: str,
         partition: str,
+        no_images: Images | None = None,
     ) -> None:
-        """Writes prompt rows into `partition` (samples, or agents' trajectory starts: the wiring's)."""
+        """Writes prompt rows into `partition` (samples, or agents' trajectory starts: the wiring's);
+        with `no_images` (a vision-language model's), their images too (that, for a row without)."""
         self.cfg, self.settings, self.state = cfg, settings, state
+        self.no_images = no_images
         self.rows, self.encode, self.name = rows, encode, name
         self.total = settings.total_steps * settings.batch_size
         self.rng = random.Random(seed)
@@ -103,11 +107,11 @@ class Feed:
                 await self.put(client, key, groups, tokens)
                 del st.pending[key]
 
-    def draw(self, prompts: int) -> tuple[list[Group], dict[int, torch.Tensor]]:
-        """The next `prompts` groups and their prompts' tokens."""
+    def draw(self, prompts: int) -> tuple[list[Group], dict[int, Prompt]]:
+        """The next `prompts` groups and their prompts."""
         st = self.state
         groups: list[Group] = []
-        tokens: dict[int, torch.Tensor] = {}
+        tokens: dict[int, Prompt] = {}
         while len(groups) < prompts:
             index, tokens[index] = self.next_prompt()
             st.group_seq += 1
@@ -122,25 +126,29 @@ class Feed:
         client: AsyncClient,
         key: str,
         groups: list[Group],
-        tokens: dict[int, torch.Tensor] | None = None,
+        tokens: dict[int, Prompt] | None = None,
     ) -> None:
         """`group_size` rows per group into `samples`, under the idempotency key `key`."""
         n = self.settings.group_size
-        rows: list[torch.Tensor] = []
+        rows: list[Prompt] = []
         meta: list[Meta] = []
         for group, index, epoch, need in groups:
-            rows += [tokens[index] if tokens else self.encode(self.rows[index])] * n
+            rows += [tokens[index] if tokens else self.encode(self.rows[index], index)] * n
             task = self.task(index)
             meta += [{GROUP: group, MEMBER: k, PROMPT_ID: index, EPOCH: epoch, MIN_VERSION: need, TASK: task}
                      for k in range(n)]  # fmt: skip
-        await client.put(self.partition, {PROMPT: rows}, meta=meta, timeout=3600, key=key)
+        columns: dict[str, Any] = {PROMPT: [p.ids for p in rows]}
+        if self.no_images is not None:
+            columns |= image_columns([p.images for p in rows], self.no_images)
+        await client.put(self.partition, columns, meta=meta, timeout=3600, key=key)
 
     def task(self, index: int) -> str:
         """Dataset row `index` as JSON text (an environment resets from it), without meshrl's own keys."""
         return json.dumps({k: v for k, v in self.rows[index].items() if not k.startswith("_")}, default=str)
 
-    def next_prompt(self) -> tuple[int, torch.Tensor]:
-        """The next usable training prompt (reshuffled every epoch); too-long prompts are skipped."""
+    def next_prompt(self) -> tuple[int, Prompt]:
+        """The next usable training prompt (reshuffled every epoch); too-long prompts, and those that
+        cannot be encoded (an image that does not decode), are skipped and counted, with the reason."""
         st = self.state
         for _ in range(len(self.rows) + 1):
             if st.cursor >= len(self.order):
@@ -149,7 +157,13 @@ class Feed:
                 st.cursor = 0
             index = self.order[st.cursor]
             st.cursor += 1
-            tokens = self.encode(self.rows[index])
+            try:
+                tokens = self.encode(self.rows[index], index)
+            except ValueError as e:
+                st.skipped += 1
+                if st.skipped <= 5:
+                    log.warning("prompt %d skipped: %s", index, e)
+                continue
             if len(tokens) <= self.cfg.max_prompt_len:
                 return index, tokens
             st.skipped += 1

@@ -19,16 +19,16 @@ they are finished without being counted twice).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from meshrl.dataplane import AsyncClient
+from meshrl.models import vision
 from meshrl.observe.metrics import JsonlSink
 from meshrl.roles.rollout import reward_functions
 from meshrl.roles.rollout.config import RolloutConfig
-from meshrl.roles.rollout.data import check_lengths, encode, load_rows
+from meshrl.roles.rollout.data import Prompt, check_lengths, encode, load_rows
 from meshrl.roles.rollout.evaluation import Evaluation
 from meshrl.roles.rollout.feed import Feed, Group
 from meshrl.roles.rollout.scoring import Rewards, Scoring
@@ -45,6 +45,9 @@ class RolloutService(Service):
 
         cfg, ctx = self.config, self.ctx
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        # a vision-language model's prompts go through its processor, which also makes their pixels
+        processor = vision.load_processor(cfg.model) if vision.is_vision(cfg.model) else None
+        no_images = None if processor is None else vision.blank(processor)
         bad: list[str] = []
         train_rows, eval_rows = load_rows(cfg, bad)
         if bad:
@@ -63,10 +66,12 @@ class RolloutService(Service):
                 old.unlink()
             self.state = self.load(ctx.resume) if ctx.resume is not None else self.fresh()
 
-        def encoded(row: dict[str, Any]) -> torch.Tensor:
-            return encode(tokenizer, cfg, row)
+        def encoded(row: dict[str, Any], index: int | None = None) -> Prompt:
+            where = "" if index is None else f"{cfg.dataset}: row {row.get('_line', index)}"
+            return encode(processor or tokenizer, cfg, row, where)
 
         check_lengths(train_rows, encoded, cfg.max_prompt_len)
+        eval_rows = self.encodable(eval_rows, encoded)
         workers = reward_functions.Workers(cfg.reward_threads, cfg.reward_timeout_s)
         self.rewards = rewards = Rewards(
             tokenizer, reward_functions.load(cfg.functions), cfg.prompt_field, workers
@@ -75,7 +80,7 @@ class RolloutService(Service):
         wiring = ctx.wiring
         self.feed = Feed(
             cfg, ctx.run, self.state, train_rows, encoded, seed=seed, name=ctx.name,
-            partition=wiring.partition("feed"),
+            partition=wiring.partition("feed"), no_images=no_images,
         )  # fmt: skip
         self.scoring = Scoring(
             cfg, ctx.run, self.state, rewards, train_rows, wiring.claim("score"),
@@ -90,6 +95,7 @@ class RolloutService(Service):
             rewards,
             self.sink("eval.jsonl", predecessor),
             wiring.claim("evaluate"),
+            no_images,
         )
         if predecessor is not None:
             self.evaluation.read_recorded()
@@ -98,6 +104,20 @@ class RolloutService(Service):
                 "re-joined the run: %d samples started, %d scored, %d gates, %d puts to repeat",
                 st.started, st.scored, st.gates, len(st.pending),
             )  # fmt: skip
+
+    def encodable(
+        self, rows: list[dict[str, Any]], encoded: Callable[[dict[str, Any], int], Prompt]
+    ) -> list[dict[str, Any]]:
+        """The held-out rows whose prompts encode (each evaluation puts them all); the others are left
+        out of the evaluation, with the reason."""
+        keep = []
+        for i, row in enumerate(rows):
+            try:
+                encoded(row, i)
+                keep.append(row)
+            except ValueError as e:
+                self.log.warning("held-out row left out of the evaluation: %s", e)
+        return keep
 
     def fresh(self) -> RolloutState:
         return RolloutState(group_seq=self.ctx.replica.index * 10**12, kl_coef=self.config.kl_penalty.coef)

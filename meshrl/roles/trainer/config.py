@@ -25,6 +25,8 @@ from meshrl.schema import (
     GATE,
     GEN_BATCH,
     GEN_S,
+    IMAGE_MASK,
+    IMAGES,
     LOGPROBS,
     LOSS_MASK,
     PROMPT,
@@ -85,6 +87,9 @@ class TrainerConfig(ServiceConfig):
     """Micro-batches (rows or tokens), precision, activation checkpointing, chunked logits."""
     lora: LoraConfig = LoraConfig()
     """LoRA: set lora.rank > 0 to train adapters; inference receives them merged (or alone, for vLLM)."""
+    train_vision: bool = False
+    """A vision-language model's vision tower trains too (by default it is frozen, and LoRA leaves it
+    out; the connector between it and the language model trains)."""
     loss: LossConfig = LossConfig()
     """The policy loss: PPO clip or GSPO, aggregation, clipping, entropy bonus, off-policy correction."""
     kl: KLLossConfig = KLLossConfig()
@@ -146,7 +151,7 @@ class TrainerConfig(ServiceConfig):
                 SAMPLES,
                 self.columns(),
                 consumer="trainer",
-                optional=(LOSS_MASK, SEGMENTS),
+                optional=(LOSS_MASK, SEGMENTS, IMAGES, IMAGE_MASK),
                 retains=True,
             ),
         )

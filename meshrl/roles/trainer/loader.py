@@ -11,6 +11,7 @@ import torch
 
 from meshrl.dataplane import Batch, Client, Ragged
 from meshrl.engines.packing import TrainBatch, pack
+from meshrl.models import vision
 from meshrl.planning.wiring import Claim
 from meshrl.roles.trainer.config import TrainerConfig
 from meshrl.schema import (
@@ -67,6 +68,7 @@ def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
         },
         loss_mask=batch.ragged(LOSS_MASK) if LOSS_MASK in batch else None,
         segments=batch.ragged(SEGMENTS) if SEGMENTS in batch else None,
+        images=vision.from_batch(batch),
     )
     versions = batch.tensor(VERSION)
     summary = {

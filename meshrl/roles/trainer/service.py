@@ -69,6 +69,7 @@ class TrainerService(Service):
                 total_steps=run.total_steps * cfg.mini_batches, loader_kwargs=cfg.loader_kwargs,
                 seed=run.seed, head="lm+value" if cfg.value.head else "lm", temperature=run.temperature,
                 publish_adapters=weights is not None and weights.adapters is not None,
+                train_vision=cfg.train_vision,
             )  # fmt: skip
         # the actor-critic computes GAE with the settings of the rollout that writes its token rewards
         self.gae: GAESettings | None = wiring.inputs.get("gae")

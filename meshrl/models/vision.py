@@ -1,0 +1,244 @@
+"""Vision-language models: how a row's images become pixel tensors once, and how every model forward
+takes them.
+
+A vision-language checkpoint is a folder whose `config.json` has a `vision_config` and whose processor
+files (`processor_config.json`, the image processor's settings, the chat template) sit beside the
+tokenizer's. The service that encodes a row (rollout, meshrl sft) runs the model's processor once: the
+prompt's token ids, with every image placeholder expanded exactly as the processor expands it, and per
+image its pixels and pixel mask. Those travel as two data-plane columns (`schema.IMAGES`,
+`schema.IMAGE_MASK`, ragged over the row's images), so inference, the trainer and the reference read
+the same tensors and never decode or resize an image themselves.
+
+The families supported are those whose forward places image features at the image tokens in order
+and takes ordinary 1-D position ids (Idefics3 / SmolVLM): samples can then be batched, left-padded
+for generation, and packed several to a row for training, with the images of the batch concatenated
+in the order their tokens appear. Qwen2-VL's 3-D rotary positions are not (yet) among them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the planner reads `is_vision` in a process that never loads torch
+    import torch
+
+SUPPORTED = ("idefics3", "smolvlm")
+"""`model_type`s of the vision-language families meshrl trains."""
+VISION_MODULES = r".*\.vision_model\..*"
+"""The modules of a vision tower, by name (LoRA adapters leave them out unless the tower trains)."""
+DEFAULT_MAX_PIXELS = 1024 * 1024
+"""An image with more pixels (width x height, as decoded) than this is refused, naming its row."""
+
+
+def config_of(model_path: str) -> dict[str, Any]:
+    """The model folder's config.json ({} when there is none: a hub id or a gguf file)."""
+    path = Path(model_path) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def is_vision(model_path: str) -> bool:
+    """Whether the model in folder `model_path` has a vision tower (read without torch)."""
+    return "vision_config" in config_of(model_path)
+
+
+def check_model(model_path: str) -> str | None:
+    """Why the vision-language model in `model_path` cannot be trained here (None when it can)."""
+    cfg = config_of(model_path)
+    kind = cfg.get("model_type")
+    if kind not in SUPPORTED:
+        return (
+            f"{model_path}: a vision-language model of type {kind!r}; meshrl trains {list(SUPPORTED)} "
+            "(families whose image features sit at their image tokens with 1-D positions)"
+        )
+    if (
+        not (Path(model_path) / "processor_config.json").is_file()
+        and not (Path(model_path) / "preprocessor_config.json").is_file()
+    ):
+        return f"{model_path}: a vision-language model without processor files (processor_config.json)"
+    return None
+
+
+def load_model(model_path: str, **kwargs: Any) -> Any:
+    """The model of `model_path` with its language-model head: a causal LM, or a vision-language one."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vision(model_path) else AutoModelForCausalLM
+    return auto.from_pretrained(model_path, **kwargs)
+
+
+def load_processor(model_path: str) -> Any:
+    """The model's processor (image processor, tokenizer and chat template)."""
+    import logging
+
+    from transformers import AutoProcessor
+
+    # without torchvision transformers says, once per load, that it uses its PIL image processor
+    quiet = logging.getLogger("transformers.models.auto.image_processing_auto")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return AutoProcessor.from_pretrained(model_path)
+    finally:
+        quiet.setLevel(level)
+
+
+@dataclass
+class Images:
+    """A row's images as the model takes them: pixels [n, 3, H, W] float32, mask [n, H, W] bool."""
+
+    pixels: torch.Tensor
+    mask: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.pixels.shape[0]
+
+
+def decode(image: Any, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
+    """A PIL image from what a dataset row may hold: a PIL image, a file path, `datasets`' Image dict
+    ({"bytes", "path"}), raw bytes, or a data URL (`data:image/png;base64,...`). `where` names the row in
+    the error of an image that does not decode or has more than `max_pixels` pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if isinstance(image, Image.Image):
+            pil = image
+        elif isinstance(image, dict) and (image.get("bytes") or image.get("path")):
+            pil = Image.open(io.BytesIO(image["bytes"])) if image.get("bytes") else Image.open(image["path"])
+        elif isinstance(image, bytes | bytearray):
+            pil = Image.open(io.BytesIO(image))
+        elif isinstance(image, str) and image.startswith("data:"):
+            head, _, data = image.partition(",")
+            if ";base64" not in head:
+                raise ValueError("a data URL that is not base64")
+            pil = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        elif isinstance(image, str):
+            pil = Image.open(image)
+        else:
+            raise ValueError(f"a {type(image).__name__} is not an image")
+        pil.load()
+    except (OSError, ValueError, UnidentifiedImageError, base64.binascii.Error) as e:  # type: ignore[attr-defined]
+        raise ValueError(f"{where}: an image that does not decode ({e})") from None
+    if pil.width * pil.height > max_pixels:
+        raise ValueError(
+            f"{where}: an image of {pil.width}x{pil.height} pixels is over the limit of {max_pixels} "
+            "(rollout.max_pixels)"
+        )
+    return pil.convert("RGB")
+
+
+def split_messages(
+    messages: list[dict[str, Any]], where: str, max_pixels: int
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages as a processor's chat template takes them ({"type": "image"} parts) and the images
+    their parts carry, in order: an OpenAI `image_url` part (a data URL), or an `image` part holding the
+    image itself (`image`, `url` or `path`)."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(decode(url, where, max_pixels))
+                parts.append({"type": "image"})
+            elif kind == "image" and any(part.get(k) is not None for k in ("image", "url", "path")):
+                source = next(part[k] for k in ("image", "url", "path") if part.get(k) is not None)
+                images.append(decode(source, where, max_pixels))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**m, "content": parts})
+    return out, images
+
+
+def encode(
+    processor: Any, messages: list[dict[str, Any]], images: list[Any], where: str, *, generation: bool = True
+) -> tuple[torch.Tensor, Images | None]:
+    """Token ids of `messages` through the processor's chat template, every image placeholder expanded as
+    the processor expands it, and the pixels of `images` (decoded PIL images, one per image part)."""
+    import torch
+
+    text = processor.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    if not images:
+        ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int64), None
+    try:
+        enc = processor(text=text, images=[images], return_tensors="pt", add_special_tokens=False)
+    except ValueError as e:  # the placeholders and the images do not match
+        raise ValueError(f"{where}: {e}") from None
+    pixels = enc["pixel_values"][0].float()
+    mask = enc.get("pixel_attention_mask")
+    mask = (
+        torch.ones(pixels.shape[0], *pixels.shape[2:], dtype=torch.bool) if mask is None else mask[0].bool()
+    )
+    return enc["input_ids"][0].to(torch.int64), Images(pixels.contiguous(), mask.contiguous())
+
+
+def model_inputs(images: list[Images | None], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The vision inputs of one forward over rows whose images are `images` (None: a row without), in
+    row order: the images of all rows as one [1, N, 3, H, W] batch (the model places image i at the
+    i-th run of image tokens of the flattened batch), padded to the largest size; {} when there are none."""
+    import torch
+
+    present = [i for i in images if i is not None and len(i)]
+    if not present:
+        return {}
+    h = max(i.pixels.shape[-2] for i in present)
+    w = max(i.pixels.shape[-1] for i in present)
+    n = sum(len(i) for i in present)
+    pixels = present[0].pixels.new_zeros(1, n, 3, h, w)
+    mask = torch.zeros(1, n, h, w, dtype=torch.bool)
+    at = 0
+    for i in present:
+        k, ih, iw = len(i), i.pixels.shape[-2], i.pixels.shape[-1]
+        pixels[0, at : at + k, :, :ih, :iw] = i.pixels
+        mask[0, at : at + k, :ih, :iw] = i.mask
+        at += k
+    return {"pixel_values": pixels.to(device), "pixel_attention_mask": mask.to(device)}
+
+
+def vision_tower(model: Any) -> Any:
+    """The vision encoder of a vision-language model (None for a text model)."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "vision_model", None)
+
+
+def blank(processor: Any) -> Images:
+    """No images, shaped as the processor's images are (a text-only row of a vision-language run: every
+    row of a column shares the trailing shape)."""
+    from PIL import Image
+
+    _, one = encode(
+        processor, [{"role": "user", "content": [{"type": "image"}]}], [Image.new("RGB", (8, 8))], ""
+    )
+    assert one is not None
+    return Images(one.pixels[:0].clone(), one.mask[:0].clone())
+
+
+def columns(images: list[Images | None], empty: Images) -> dict[str, list[torch.Tensor]]:
+    """The IMAGES and IMAGE_MASK columns of rows whose images are `images` (None: `empty`)."""
+    from meshrl.schema import IMAGE_MASK, IMAGES
+
+    rows = [empty if i is None else i for i in images]
+    return {IMAGES: [i.pixels for i in rows], IMAGE_MASK: [i.mask for i in rows]}
+
+
+def from_batch(batch: Any, rows: list[int] | None = None) -> list[Images | None] | None:
+    """Each row's images from a claimed batch's IMAGES and IMAGE_MASK columns (None: the batch has none)."""
+    from meshrl.schema import IMAGE_MASK, IMAGES
+
+    if IMAGES not in batch:
+        return None
+    pixels, masks = batch.ragged(IMAGES), batch.ragged(IMAGE_MASK)
+    pick = range(len(pixels)) if rows is None else rows
+    return [Images(pixels[i].clone(), masks[i].bool().clone()) if len(pixels[i]) else None for i in pick]
