@@ -242,3 +242,24 @@ def from_batch(batch: Any, rows: list[int] | None = None) -> list[Images | None]
     pixels, masks = batch.ragged(IMAGES), batch.ragged(IMAGE_MASK)
     pick = range(len(pixels)) if rows is None else rows
     return [Images(pixels[i].clone(), masks[i].bool().clone()) if len(pixels[i]) else None for i in pick]
+
+
+def disagreement(model_path: str, columns: tuple[str, ...] | list[str]) -> str | None:
+    """Why a service whose model is `model_path` and whose claim reads `columns` would not see the images
+    the prompts were made with: a text model given a vision-language model's images, or a
+    vision-language model whose prompts were encoded by a text tokenizer (no images written)."""
+    from meshrl.schema import IMAGES
+
+    if not Path(model_path).exists():
+        return None  # reported as a missing path
+    if IMAGES in columns and not is_vision(model_path):
+        return (
+            f"model: {model_path} is a text model, but rollout's model is a vision-language one (it writes "
+            "images): every service of the run takes the same model family"
+        )
+    if IMAGES not in columns and is_vision(model_path):
+        return (
+            f"model: {model_path} is a vision-language model, but rollout's model is a text one (it writes no "
+            "images): give rollout the same model, whose processor encodes the prompts' images"
+        )
+    return None

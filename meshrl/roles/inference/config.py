@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from meshrl.engines.settings import INSTALL, SGLangSettings, SimGeneration, VLLMSettings, installed
 from meshrl.models.hub import missing
-from meshrl.models.vision import is_vision
+from meshrl.models.vision import disagreement, is_vision
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
 from meshrl.schema import CALLS, EVAL, GENERATED, IMAGE_MASK, IMAGES, PROMPT, SAMPLES
@@ -89,6 +89,10 @@ class InferenceConfig(ServiceConfig):
             problems.append("engine: the hf engine runs in one process; use devices_per_replica 0 or 1")
         if not Path(self.model).exists():
             problems.append(missing(self.model))
+        elif wiring.claim("generate").partition == SAMPLES and (
+            why := disagreement(self.model, wiring.claim("generate").columns)
+        ):
+            problems.append(why)
         if self.engine in ("vllm", "sglang"):
             name = "vLLM" if self.engine == "vllm" else "SGLang"
             if Path(self.model).exists() and is_vision(self.model):

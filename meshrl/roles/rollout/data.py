@@ -75,10 +75,11 @@ def _has_image_part(message: dict[str, Any]) -> bool:
 
 def check_lengths(
     rows: list[dict[str, Any]], encode: Callable[[dict[str, Any]], Prompt], max_len: int
-) -> None:
+) -> list[str]:
     """Stop at start-up when most of the first rows cannot be encoded (an image that does not decode)
     or do not fit `max_len` tokens: a run that skips most of its data is a setting to raise or data to
-    fix, not a run to start (a chat template and system prompt easily add 30+ tokens to every prompt)."""
+    fix, not a run to start (a chat template and system prompt easily add 30+ tokens to every prompt).
+    Returns why each of the others that cannot be encoded cannot (the run skips them as it meets them)."""
     sample, errors = [], []
     for r in rows[:64]:
         try:
@@ -97,6 +98,7 @@ def check_lengths(
             f"(chat template and system prompt included; median {lengths[len(lengths) // 2]} tokens, "
             f"longest {lengths[-1]}); raise rollout.max_prompt_len"
         )
+    return errors
 
 
 def usable(prompt: Any) -> bool:

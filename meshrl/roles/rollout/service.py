@@ -70,7 +70,10 @@ class RolloutService(Service):
             where = "" if index is None else f"{cfg.dataset}: row {row.get('_line', index)}"
             return encode(processor or tokenizer, cfg, row, where)
 
-        check_lengths(train_rows, encoded, cfg.max_prompt_len)
+        unusable = check_lengths(train_rows, encoded, cfg.max_prompt_len)
+        if unusable:
+            self.log.warning("%d of the first prompts cannot be encoded and will be skipped; the first: %s",
+                             len(unusable), "; ".join(unusable[:5]))  # fmt: skip
         eval_rows = self.encodable(eval_rows, encoded)
         workers = reward_functions.Workers(cfg.reward_threads, cfg.reward_timeout_s)
         self.rewards = rewards = Rewards(

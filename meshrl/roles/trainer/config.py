@@ -18,6 +18,7 @@ from meshrl.engines.settings import (
     SimTraining,
     ValueHeadConfig,
 )
+from meshrl.models.vision import disagreement
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
 from meshrl.schema import (
@@ -176,6 +177,8 @@ class TrainerConfig(ServiceConfig):
         problems = []
         if not Path(self.model).exists():
             problems.append(f"model: path {self.model!r} does not exist (build or download the model first)")
+        if why := disagreement(self.model, wiring.claim("train").columns):
+            problems.append(why)
         if group.replicas != 1:
             problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
         world = max(1, group.devices_per_replica)
