@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrl.commands.eval import sampling_params, seed_of
+from meshrl.models import vision
 
 
 @dataclass
@@ -56,8 +57,9 @@ def evaluate_agents(
         env.limits = agents.limits(inference.max_new_tokens)
         tool_names = [t.name for t in env.tools]
     tokenizer = AutoTokenizer.from_pretrained(agents.model)
+    processor = vision.load_processor(agents.model) if vision.is_vision(agents.model) else None
     renderer = Renderer(tokenizer, build_parser(agents.parser, tool_names), tool_role=agents.tool_role,
-                        keep_reasoning=agents.keep_reasoning)  # fmt: skip
+                        keep_reasoning=agents.keep_reasoning, processor=processor)  # fmt: skip
     engine = build_engine(inference, device=_device(), seed=recipe.seed, work_dir=None)
     members = [(i, k) for i in range(len(rows)) for k in range(1 + samples)]
     if env is not None:
@@ -80,7 +82,13 @@ async def _environments(env: Any, renderer: Any, engine: Any, inference: Any, re
             for b in range(0, len(part), inference.max_batch):
                 some = part[b : b + inference.max_batch]
                 seeds = [(seed_of(recipe, *members[j]) + eps[j].turns) % 2**63 for j in some]
-                done = engine.generate([eps[j].trajectory.tail for j in some], params, seeds=seeds)
+                images = None
+                if renderer.processor is not None:  # a vision-language model's pictures, per turn
+                    tails = [eps[j].trajectory.tail_images for j in some]
+                    images = [vision.pixels(renderer.processor, t) if t else None for t in tails]
+                done = engine.generate(
+                    [eps[j].trajectory.tail for j in some], params, seeds=seeds, images=images
+                )
                 turns = [
                     advance(env, renderer, eps[j], c.tokens, c.logprobs, 0)
                     for j, c in zip(some, done, strict=True)

@@ -172,13 +172,29 @@ def _number(v: Any) -> bool:
 
 
 def check_messages(value: Any, where: str) -> list[Message]:
-    """`value` if it is a list of messages, else a clear `EnvError` naming `where`."""
+    """`value` if it is a list of messages, else a clear `EnvError` naming `where`. A message's content is
+    text, or a list of parts (`{"type": "text", "text": ...}`, and for a vision-language model image parts:
+    an OpenAI `image_url` with a data URL, or `{"type": "image", "image": <PIL image, path or bytes>}`),
+    whose images come back as data URLs (a trajectory's messages travel as JSON)."""
     if not isinstance(value, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
+        isinstance(m, dict) and isinstance(m.get("role"), str) and _content(m.get("content")) for m in value
     ):
         raise EnvError(
             f"{where} returned {type(value).__name__} {str(value)[:120]!r}, not a list of "
-            '{"role": str, "content": str} messages'
+            '{"role": str, "content": str or a list of parts} messages'
         )
-    return value
+    if all(isinstance(m["content"], str) for m in value):
+        return value
+    from meshrl.models.vision import with_urls
+
+    try:
+        return with_urls(value, where)
+    except ValueError as e:
+        raise EnvError(str(e)) from None
+
+
+def _content(content: Any) -> bool:
+    return isinstance(content, str) or (
+        isinstance(content, list)
+        and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
+    )

@@ -24,6 +24,7 @@ from meshrl.envs import tools
 from meshrl.envs.base import EnvError, Environment, Message, State, Step, Turn, check_messages, reward_parts
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Trajectory
+from meshrl.models.vision import image_urls
 
 T = TypeVar("T")
 
@@ -78,7 +79,7 @@ async def start(env: Environment, renderer: Renderer, row: dict[str, Any]) -> Ep
     except Exception as e:
         return Episode(Trajectory(), {}, done=True, failed=_why("reset", e, limits.step_timeout_s))
     out = Episode(Trajectory(), state, list(messages))
-    out.trajectory.prompt(ids)
+    out.trajectory.prompt(ids, image_urls(messages))
     if len(ids) + limits.max_new_tokens > limits.max_tokens:
         out.truncated = "tokens"
         return await _finish(env, out, None)
@@ -122,11 +123,14 @@ async def advance(
         return await _finish(env, ep, turn)
     tools_ = schemas(env, renderer)
     ids = renderer.extend(ep.trajectory.tail, ep.transcript, messages, tools_)
-    ids = ids if ids is not None else renderer.prompt([*ep.transcript, *messages], tools_)
+    images = [*ep.trajectory.tail_images, *image_urls(messages)]
+    if ids is None:
+        ids = renderer.prompt([*ep.transcript, *messages], tools_)
+        images = image_urls([*ep.transcript, *messages])
     if len(ids) + limits.max_new_tokens > limits.max_tokens:
         ep.truncated = "tokens"
         return await _finish(env, ep, turn)
-    ep.trajectory.prompt(ids)
+    ep.trajectory.prompt(ids, images)
     ep.transcript.extend(messages)  # what the model sees next (a reply cut by a limit is not)
     return ep
 

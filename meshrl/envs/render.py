@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshrl.envs.parsers import Parser, arguments
+from meshrl.models import vision
 
 Message = dict[str, Any]
 _DUMMY: list[Message] = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
@@ -41,9 +42,17 @@ _PROBES: list[list[Message]] = [
 
 class Renderer:
     def __init__(
-        self, tokenizer: Any, parser: Parser, *, tool_role: str = "tool", keep_reasoning: bool = False
+        self,
+        tokenizer: Any,
+        parser: Parser,
+        *,
+        tool_role: str = "tool",
+        keep_reasoning: bool = False,
+        processor: Any = None,
     ) -> None:
-        self.tokenizer, self.parser = tokenizer, parser
+        """`processor`: a vision-language model's, which renders messages with image parts (OpenAI
+        `image_url` parts holding data URLs: `vision.with_urls`), their placeholders expanded."""
+        self.tokenizer, self.parser, self.processor = tokenizer, parser, processor
         self.tool_role, self.keep_reasoning = tool_role, keep_reasoning
         eos = tokenizer.eos_token_id
         self.stop = int(eos) if eos is not None else -1  # no EOS: only whole renderings (`meshrl sft`)
@@ -79,15 +88,21 @@ class Renderer:
     def ids(self, messages: Sequence[Message], tools: list[Message] | None, *, generation: bool) -> list[int]:
         """Token ids of `messages` through the template (with the generation prompt or not)."""
         msgs, kw = self._for_template(messages, tools)
+        if self.processor is not None:
+            msgs, images = vision.split_messages(msgs, "an agent's messages", vision.DEFAULT_MAX_PIXELS)
+            return vision.encode(self.processor, msgs, images, "an agent's messages", generation=generation,
+                                 **kw)[0].tolist()  # fmt: skip
         ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=True, **kw)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         return [int(i) for i in ids]
 
     def _text(self, messages: Sequence[Message], tools: list[Message] | None, *, generation: bool) -> str:
         msgs, kw = self._for_template(messages, tools)
-        return str(
-            self.tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=False, **kw)
-        )
+        template = self.tokenizer
+        if self.processor is not None:
+            msgs, _ = vision.split_messages(msgs, "an agent's messages", vision.DEFAULT_MAX_PIXELS)
+            template = self.processor
+        return str(template.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=False, **kw))
 
     def _probe(self, history: list[Message], role: str) -> bool:
         try:
@@ -131,7 +146,7 @@ class Renderer:
                 calls = "".join("\n" + self.parser.call_text(*_call(c)) for c in m.pop("tool_calls"))
                 m["content"] = (m["content"] + calls).strip("\n")
             if m["role"] == "tool":
-                content = m["content"] if self.renders_tools else self.parser.result_text(m["content"])
+                content = m["content"] if self.renders_tools else self._result(m["content"])
                 m = (
                     {**m, "content": content}
                     if self.tool_role == "tool"
@@ -147,6 +162,17 @@ class Renderer:
             else:
                 out.insert(0, {"role": "system", "content": block})
         return out, {}
+
+    def _result(self, content: str | list[Message]) -> str | list[Message]:
+        """A tool's result in the parser's format: text, or parts (a picture a tool returned) with their
+        text in the format, after the images."""
+        if isinstance(content, str):
+            return self.parser.result_text(content)
+        text = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        return [
+            *(p for p in content if p.get("type") != "text"),
+            {"type": "text", "text": self.parser.result_text(text)},
+        ]
 
 
 def _call(call: Message) -> tuple[str, dict[str, Any]]:

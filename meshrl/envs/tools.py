@@ -32,7 +32,8 @@ from meshrl.envs.parsers import ToolCall
 class Tool:
     name: str
     fn: Callable[..., Any]
-    """Sync or async; its result is sent to the model as text (`str()`, or JSON for dicts and lists)."""
+    """Sync or async; its result is sent to the model as text (`str()`, or JSON for dicts and lists), or
+    as a picture when it is a PIL image (a vision-language model's)."""
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any]) -> Tool:
@@ -98,8 +99,11 @@ async def call_tools(
     ]
 
 
-async def _call(tools: dict[str, Tool], call: ToolCall, timeout_s: float) -> tuple[str, str | None]:
-    """The tool message's text, and the kind of error it reports (None: the call worked)."""
+async def _call(
+    tools: dict[str, Tool], call: ToolCall, timeout_s: float
+) -> tuple[str | list[dict[str, Any]], str | None]:
+    """The tool message's content (text, or an image part), and the kind of error it reports (None: the
+    call worked)."""
     if call.error is not None:
         return f"error: {call.error}", "malformed"
     tool = tools.get(call.name)
@@ -122,6 +126,8 @@ async def _call(tools: dict[str, Tool], call: ToolCall, timeout_s: float) -> tup
         return f"error: {call.name} timed out after {timeout_s:g}s", "timeout"
     except Exception as e:
         return f"error: {call.name} raised {type(e).__name__}: {e}", "raised"
+    if type(result).__module__.startswith("PIL."):  # a picture: an image part (a data URL once checked)
+        return [{"type": "image", "image": result}], None
     return (json.dumps(result) if isinstance(result, dict | list) else str(result)), None
 
 

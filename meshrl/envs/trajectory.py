@@ -28,6 +28,8 @@ class Call:
     logprobs: list[float]
     version: int
     """The weight version that generated the completion (its first, if a weight update interrupted it)."""
+    images: tuple[str, ...] = ()
+    """The images of the prompt (data URLs), in order."""
 
 
 @dataclass
@@ -44,25 +46,39 @@ class Trajectory:
     calls: int = 0
     splits: int = 0
     """Prompts that did not extend their segment (each started one)."""
+    images: list[str] = field(default_factory=list)
+    """A vision-language model's: the images (data URLs) whose placeholder tokens `ids` hold, in order."""
+    image_segments: list[int] = field(default_factory=list)
+    """How many of them each segment holds."""
 
     @property
     def tail(self) -> list[int]:
         """The current segment's tokens: what the next prompt extends."""
         return self.ids[len(self.ids) - self.segments[-1] :] if self.segments else []
 
-    def prompt(self, ids: Sequence[int]) -> None:
-        """The next call's prompt: the segment goes on with its new tokens when it extends the segment,
-        else it is a new segment."""
-        ids = list(ids)
+    @property
+    def tail_images(self) -> list[str]:
+        """The images of the current segment."""
+        return self.images[len(self.images) - self.image_segments[-1] :] if self.image_segments else []
+
+    def prompt(self, ids: Sequence[int], images: Sequence[str] = ()) -> None:
+        """The next call's prompt (and the images its placeholders stand for, all of them): the segment
+        goes on with its new tokens when it extends the segment, else it is a new segment."""
+        ids, images = list(ids), list(images)
         tail = self.tail
         if not self.ids:
             self.ids, self.prompt_len, self.segments = ids, len(ids), [len(ids)]
+            self.images, self.image_segments = images, [len(images)]
         elif len(ids) >= len(tail) and ids[: len(tail)] == tail:
             self._add(ids[len(tail) :], trained=False)
+            self.images += images[self.image_segments[-1] :]
+            self.image_segments[-1] = len(images)
         else:
             self.splits += 1
             self.segments.append(0)
             self._add(ids, trained=False)
+            self.images += images
+            self.image_segments.append(len(images))
 
     def answer(self, ids: Sequence[int], logprobs: Sequence[float], version: int) -> None:
         """The completion of the last prompt, as generated."""
@@ -72,7 +88,7 @@ class Trajectory:
         self.calls += 1
 
     def add(self, call: Call) -> None:
-        self.prompt(call.prompt)
+        self.prompt(call.prompt, call.images)
         self.answer(call.completion, call.logprobs, call.version)
 
     def _add(

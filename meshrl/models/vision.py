@@ -162,13 +162,22 @@ def split_messages(
 
 
 def encode(
-    processor: Any, messages: list[dict[str, Any]], images: list[Any], where: str, *, generation: bool = True
+    processor: Any,
+    messages: list[dict[str, Any]],
+    images: list[Any],
+    where: str,
+    *,
+    generation: bool = True,
+    **template: Any,
 ) -> tuple[torch.Tensor, Images | None]:
-    """Token ids of `messages` through the processor's chat template, every image placeholder expanded as
-    the processor expands it, and the pixels of `images` (decoded PIL images, one per image part)."""
+    """Token ids of `messages` through the processor's chat template (`template`: its other arguments,
+    such as `tools`), every image placeholder expanded as the processor expands it, and the pixels of
+    `images` (decoded PIL images, one per image part)."""
     import torch
 
-    text = processor.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    text = processor.apply_chat_template(
+        messages, add_generation_prompt=generation, tokenize=False, **template
+    )
     if not images:
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.int64), None
@@ -176,12 +185,76 @@ def encode(
         enc = processor(text=text, images=[images], return_tensors="pt", add_special_tokens=False)
     except ValueError as e:  # the placeholders and the images do not match
         raise ValueError(f"{where}: {e}") from None
+    return enc["input_ids"][0].to(torch.int64), _images(enc)
+
+
+def pixels(processor: Any, images: list[Any]) -> Images:
+    """The pixels of `images` (PIL images, or anything `decode` takes), as `encode` makes them."""
+    decoded = [decode(i, "an agent's image") for i in images]
+    return _images(processor.image_processor([decoded], return_tensors="pt"))
+
+
+def _images(enc: Any) -> Images:
+    import torch
+
     pixels = enc["pixel_values"][0].float()
     mask = enc.get("pixel_attention_mask")
     mask = (
         torch.ones(pixels.shape[0], *pixels.shape[2:], dtype=torch.bool) if mask is None else mask[0].bool()
     )
-    return enc["input_ids"][0].to(torch.int64), Images(pixels.contiguous(), mask.contiguous())
+    return Images(pixels.contiguous(), mask.contiguous())
+
+
+def as_url(image: Any, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
+    """`image` (anything `decode` takes) as a PNG data URL: how an agent's messages keep their images
+    (they travel as JSON, in call rows)."""
+    if isinstance(image, str) and image.startswith("data:"):
+        decode(image, where, max_pixels)  # an image that does not decode fails here, naming where
+        return image
+    buf = io.BytesIO()
+    decode(image, where, max_pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The data URLs of the image parts of `messages` (made by `with_urls`), in order."""
+    return [
+        p["image_url"]["url"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") == "image_url"
+    ]
+
+
+def with_urls(
+    messages: list[dict[str, Any]], where: str, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> list[dict[str, Any]]:
+    """`messages` with every image part as an OpenAI `image_url` part holding a data URL."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                source = None
+                if kind == "image_url":
+                    source = part.get("image_url")
+                    source = source.get("url") if isinstance(source, dict) else source
+                elif kind == "image":
+                    source = next(
+                        (part[k] for k in ("image", "url", "path") if part.get(k) is not None), None
+                    )
+                if kind in ("image_url", "image"):
+                    parts.append(
+                        {"type": "image_url", "image_url": {"url": as_url(source, where, max_pixels)}}
+                    )
+                else:
+                    parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
 
 
 def model_inputs(images: list[Images | None], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

@@ -14,9 +14,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from meshrl.models.hub import missing
+from meshrl.models.vision import is_vision
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
-from meshrl.schema import CALLS, GENERATED, PROMPT, SAMPLES, TASKS, TRAJECTORY_SO_FAR, TRAJECTORY_WRITES
+from meshrl.schema import (
+    CALLS,
+    GENERATED,
+    IMAGE_MASK,
+    IMAGES,
+    PROMPT,
+    SAMPLES,
+    TASKS,
+    TRAJECTORY_SO_FAR,
+    TRAJECTORY_WRITES,
+)
 
 if TYPE_CHECKING:
     from meshrl.envs import Limits
@@ -142,7 +153,11 @@ class AgentsConfig(ServiceConfig):
 
     def writes(self) -> tuple[Write, ...]:
         so_far = TRAJECTORY_SO_FAR if self.kind == "environment" else ()
-        return (Write("calls", CALLS, (PROMPT, *so_far)), Write("samples", SAMPLES, TRAJECTORY_WRITES))
+        images = (IMAGES, IMAGE_MASK) if Path(self.model).exists() and is_vision(self.model) else ()
+        return (
+            Write("calls", CALLS, (PROMPT, *so_far, *images)),
+            Write("samples", SAMPLES, (*TRAJECTORY_WRITES, *images)),
+        )
 
     def needs(self) -> dict[str, str]:
         return {"turn_tokens": "an inference group generates the calls (its max_new_tokens bounds one)"}

@@ -101,7 +101,9 @@ class Environments:
             TOKEN_VERSIONS: [torch.tensor(t.versions, dtype=torch.int64)],
             SEGMENTS: [torch.tensor(t.segments, dtype=torch.int64)],
         }
-        row = {**meta, TURN: t.calls, TRAJ_SHAPE: json.dumps([t.prompt_len, t.calls, t.splits]),
+        columns |= self.service.image_columns(t.tail_images)
+        shape = [t.prompt_len, t.calls, t.splits, t.images, t.image_segments]
+        row = {**meta, TURN: t.calls, TRAJ_SHAPE: json.dumps(shape),
                EPISODE: json.dumps(ep.state_json()), TIMES: json.dumps(times)}  # fmt: skip
         s = self.service
         await s.client.put(s.ctx.wiring.partition("calls"), columns, meta=[row], timeout=3600,
@@ -116,10 +118,10 @@ class Environments:
 
 def trajectory_of(batch: Batch, i: int, shape: list[int]) -> Trajectory:
     """The trajectory recorded in call row `i` (`Environments.write`)."""
-    prompt_len, calls, splits = shape
+    prompt_len, calls, splits, images, image_segments = shape
     return Trajectory(
         ids=batch.ragged(EARLIER)[i].tolist() + batch.ragged(PROMPT)[i].tolist(), prompt_len=prompt_len,
         mask=batch.ragged(LOSS_MASK)[i].tolist(), logprobs=batch.ragged(TRAJ_LOGPROBS)[i].tolist(),
         versions=batch.ragged(TOKEN_VERSIONS)[i].tolist(), segments=batch.ragged(SEGMENTS)[i].tolist(),
-        calls=calls, splits=splits,
+        calls=calls, splits=splits, images=images, image_segments=image_segments,
     )  # fmt: skip

@@ -29,6 +29,7 @@ from meshrl.dataplane import AsyncClient, Batch
 from meshrl.envs.parsers import build_parser
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Trajectory
+from meshrl.models import vision
 from meshrl.roles.agents.config import AgentsConfig
 from meshrl.runtime.service import WATCH_S, Service
 from meshrl.schema import (
@@ -95,6 +96,9 @@ class AgentsService(Service):
         cfg = self.config
         self.turn_tokens = int(self.ctx.wiring.inputs["turn_tokens"])  # inference's max_new_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        # a vision-language model's processor renders messages with images and makes their pixels
+        self.processor = vision.load_processor(cfg.model) if vision.is_vision(cfg.model) else None
+        self.no_images = None if self.processor is None else vision.blank(self.processor)
         self.kind = environments.Environments(self) if cfg.kind == "environment" else programs.Programs(self)
         self.counts: Counter[str] = Counter()
         self.parts: dict[str, float] = {}
@@ -105,7 +109,15 @@ class AgentsService(Service):
         """The renderer of this recipe's messages, reading calls of the tools named `tools`."""
         cfg = self.config
         parser = build_parser(cfg.parser, tools)
-        return Renderer(self.tokenizer, parser, tool_role=cfg.tool_role, keep_reasoning=cfg.keep_reasoning)
+        return Renderer(self.tokenizer, parser, tool_role=cfg.tool_role, keep_reasoning=cfg.keep_reasoning,
+                        processor=self.processor)  # fmt: skip
+
+    def image_columns(self, images: list[str]) -> dict[str, Any]:
+        """The IMAGES / IMAGE_MASK columns of one row whose tokens hold `images` (a vision-language
+        model's; nothing for a text model)."""
+        if self.no_images is None:
+            return {}
+        return vision.columns([vision.pixels(self.processor, images) if images else None], self.no_images)
 
     @property
     def config(self) -> AgentsConfig:
@@ -215,6 +227,7 @@ class AgentsService(Service):
         columns[GEN_S] = torch.tensor([out.gen_s], dtype=torch.float32)
         columns[GEN_BATCH] = torch.tensor([out.gen_batch], dtype=torch.int64)
         columns[ENV_REWARD] = torch.tensor([out.reward], dtype=torch.float32)
+        columns |= self.image_columns(t.images)
         now = time.time()
         life_s = now - (out.started or now)
         meta = {**{k: row.get(k) for k in CARRIED}, MODEL_TURNS: t.calls, SEQUENCES: len(t.segments),

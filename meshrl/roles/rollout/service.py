@@ -34,7 +34,7 @@ from meshrl.roles.rollout.feed import Feed, Group
 from meshrl.roles.rollout.scoring import Rewards, Scoring
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.runtime.service import WATCH_S, Service
-from meshrl.schema import FINAL, VERSION
+from meshrl.schema import FINAL, SAMPLES, VERSION
 from meshrl.state import checkpoint as ckpt
 from meshrl.state.statefile import StateFile
 
@@ -83,7 +83,8 @@ class RolloutService(Service):
         wiring = ctx.wiring
         self.feed = Feed(
             cfg, ctx.run, self.state, train_rows, encoded, seed=seed, name=ctx.name,
-            partition=wiring.partition("feed"), no_images=no_images,
+            partition=wiring.partition("feed"),
+            no_images=no_images if wiring.partition("feed") == SAMPLES else None,  # agents render their own
         )  # fmt: skip
         self.scoring = Scoring(
             cfg, ctx.run, self.state, rewards, train_rows, wiring.claim("score"),
