@@ -103,15 +103,18 @@ class EngineModel:
     """The endpoint's model in `meshrl eval`: the engine, generating together the calls that programs
     make at once (each member's calls seeded by the member and the call's number)."""
 
-    def __init__(self, engine: Any, inference: Any, recipe: Any) -> None:
-        self.engine, self.inference, self.recipe = engine, inference, recipe
-        self.pending: list[tuple[list[int], dict[str, Any], Any, asyncio.Future[Any]]] = []
+    def __init__(self, engine: Any, inference: Any, recipe: Any, processor: Any = None) -> None:
+        self.engine, self.inference, self.recipe, self.processor = engine, inference, recipe, processor
+        self.pending: list[tuple[list[int], dict[str, Any], Any, asyncio.Future[Any], Any]] = []
         self.seeds: Counter[str] = Counter()
         self.wake = asyncio.Event()
 
-    async def complete(self, ids: list[int], sampling: dict[str, Any], session: Any) -> Any:
+    async def complete(
+        self, ids: list[int], sampling: dict[str, Any], session: Any, images: list[str]
+    ) -> Any:
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((ids, sampling, session, future))
+        pixels = vision.pixels(self.processor, images) if images else None
+        self.pending.append((ids, sampling, session, future, pixels))
         self.wake.set()
         return await future
 
@@ -142,18 +145,19 @@ class EngineModel:
                     some = calls[b : b + self.inference.max_batch]
                     seeds = [self.seed(c) for c in some]
                     try:
+                        images = [c[4] for c in some] if self.processor is not None else None
                         done = await asyncio.to_thread(
-                            self.engine.generate, [c[0] for c in some], params, seeds=seeds
+                            self.engine.generate, [c[0] for c in some], params, seeds=seeds, images=images
                         )
                     except Exception as e:
-                        for *_, future in some:
+                        for _, _, _, future, _ in some:
                             future.set_exception(e)
                         continue
-                    for (_, _, _, future), c in zip(some, done, strict=True):
+                    for (_, _, _, future, _), c in zip(some, done, strict=True):
                         future.set_result(Generated(c.tokens, c.logprobs, (0, 0), ""))
 
-    def seed(self, call: tuple[list[int], dict[str, Any], Any, Any]) -> int:
-        _, sampling, session, _ = call
+    def seed(self, call: tuple[list[int], dict[str, Any], Any, Any, Any]) -> int:
+        _, sampling, session, _, _ = call
         if "seed" in sampling:
             return int(sampling["seed"]) % 2**63
         prompt, member = (int(x) for x in session.key.split("."))
@@ -180,7 +184,7 @@ async def _programs(agents: Any, renderer: Any, engine: Any, inference: Any, rec
         from meshrl.envs.verifiers import run_episode
 
         program, args = run_episode, {"environment": agents.verifiers, "environment_args": agents.args}
-    model = EngineModel(engine, inference, recipe)
+    model = EngineModel(engine, inference, recipe, renderer.processor)
     endpoint = Endpoint(renderer, model, names=agents.names, budget=agents.budget(), max_new=inference.max_new_tokens,
                         call_timeout_s=agents.call_timeout_s)  # fmt: skip
     transport = httpx.ASGITransport(app=endpoint.app())

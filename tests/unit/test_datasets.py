@@ -64,14 +64,14 @@ def test_conversational_prompts_and_the_system_prompt_reach_the_chat_template(tm
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
     cfg = RolloutConfig(model=".", rewards=ARITH, dataset=str(path), system_prompt="be brief.")
     train, _ = load_rows(cfg)
-    text = tok.decode(encode(tok, cfg, train[0]))
+    text = tok.decode(encode(tok, cfg, train[0]).ids)
     expected = tok.apply_chat_template(
         [{"role": "system", "content": "be brief."}, {"role": "user", "content": "1+1="}],
         add_generation_prompt=True, tokenize=False,
     )  # fmt: skip
     assert text == expected and "be brief." in text
     plain = RolloutConfig(model=".", rewards=ARITH, dataset=str(path), chat_template=False)
-    assert "be brief." not in tok.decode(encode(tok, plain, train[0]))
+    assert "be brief." not in tok.decode(encode(tok, plain, train[0]).ids)
 
 
 def test_most_prompts_too_long_stops_naming_the_setting():

@@ -59,12 +59,23 @@ class TextPart(Struct, tag="text"):
     text: str
 
 
+class ImageUrl(Struct):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(Struct, tag="image_url"):
+    """A picture (a vision-language model's): a data URL (`data:image/png;base64,...`)."""
+
+    image_url: ImageUrl
+
+
 class Message(Struct, forbid_unknown_fields=False):
     """A message as sent; fields OpenAI's messages may carry that do not change the tokens (refusal,
     annotations, audio of an answer sent back) are ignored."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     tool_calls: list[ToolCall] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -200,11 +211,15 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 
 def normalized(m: dict[str, Any]) -> dict[str, Any]:
-    """A message as the template gets it and as a later call's history is compared with it: text content,
-    tool calls with their arguments as objects, "developer" as "system"."""
+    """A message as the template gets it and as a later call's history is compared with it: text content
+    (parts, when it holds pictures: `image_url` parts, then its text), tool calls with their arguments as
+    objects, "developer" as "system"."""
     content = m.get("content")
     if isinstance(content, list):
-        content = "".join(p["text"] for p in content)
+        text = "".join(p["text"] for p in content if p["type"] == "text")
+        pictures = [{"type": "image_url", "image_url": {"url": p["image_url"]["url"]}}
+                    for p in content if p["type"] == "image_url"]  # fmt: skip
+        content = [*pictures, {"type": "text", "text": text}] if pictures else text
     out: dict[str, Any] = {
         "role": "system" if m["role"] == "developer" else m["role"],
         "content": content or "",

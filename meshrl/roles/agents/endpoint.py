@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ import msgspec
 
 from meshrl.envs.render import Renderer
 from meshrl.envs.trajectory import Call as Record
+from meshrl.models import vision
 from meshrl.roles.agents import chat
 from meshrl.roles.agents.chat import ApiError, Call, Generated
 
@@ -57,15 +58,25 @@ class Session:
         now = time.monotonic()
         return now - since - self.waited - (now - self.busy_since if self.busy else 0.0)
 
-    def record(self, prompt: list[int], out: Generated, parsed: int = 0, malformed: int = 0) -> None:
-        self.calls.append(Record(prompt, out.ids, out.logprobs, out.version[0]))
+    def record(
+        self,
+        prompt: list[int],
+        out: Generated,
+        parsed: int = 0,
+        malformed: int = 0,
+        images: Sequence[str] = (),
+    ) -> None:
+        self.calls.append(Record(prompt, out.ids, out.logprobs, out.version[0], tuple(images)))
         self.gen_s, self.gen_batch = self.gen_s + out.gen_s, out.gen_batch
         self.tool_calls, self.malformed = self.tool_calls + parsed, self.malformed + malformed
 
 
 class Model(Protocol):
-    async def complete(self, ids: list[int], sampling: dict[str, Any], session: Session) -> Generated:
-        """Inference's answer to the prompt `ids` sampled as asked (temperature, top_p, max_tokens, seed)."""
+    async def complete(
+        self, ids: list[int], sampling: dict[str, Any], session: Session, images: list[str]
+    ) -> Generated:
+        """Inference's answer to the prompt `ids` (holding the pictures `images`, data URLs) sampled as
+        asked (temperature, top_p, max_tokens, seed)."""
         ...
 
 
@@ -149,11 +160,12 @@ class Endpoint:
         call = chat.chat_call(await request.body())
         session = self.session(request, call)
         ids = self.prompt(session, call)
-        out = await self.complete(ids, call, session)
+        images = vision.image_urls(call.messages)
+        out = await self.complete(ids, call, session, images)
         parser = self.renderer.parser.knowing([t["function"]["name"] for t in call.tools or []])
         message, parsed, malformed = chat.assistant_message(self.renderer.decode(out.ids), call, parser)
         session.last = (call.messages, call.tools, ids + out.ids, chat.normalized(message))
-        session.record(ids, out, parsed, malformed)
+        session.record(ids, out, parsed, malformed, images)
         extra = self.extra(session, out)
         if call.stream:
             return _stream(chat.chat_chunks(call, message, out, ids, extra))
@@ -163,7 +175,7 @@ class Endpoint:
         call = chat.generate_call(await request.body(), len(self.renderer.tokenizer))
         session = self.session(request, call)
         assert call.token_ids is not None
-        out = await self.complete(call.token_ids, call, session)
+        out = await self.complete(call.token_ids, call, session, [])
         session.record(call.token_ids, out)
         return _json(chat.generate_response(out, call.token_ids, self.extra(session, out)))
 
@@ -187,12 +199,18 @@ class Endpoint:
             if len(msgs) >= n + 2 and msgs[:n] == last and _same_reply(msgs[n], reply):
                 ids = self.renderer.extend(tokens, msgs[: n + 1], msgs[n + 1 :], call.tools)
         self.counts["joined" if ids is not None else "rendered"] += 1
+        if self.renderer.processor is None and vision.image_urls(msgs):
+            raise ApiError(
+                400, "this model is not a vision-language one: it takes no image parts", param="messages"
+            )
         try:
             return ids if ids is not None else self.renderer.prompt(msgs, call.tools)
+        except ValueError as e:  # a picture that does not decode, or over the size limit
+            raise ApiError(400, str(e), param="messages") from None
         except Exception as e:  # the chat template refused the messages
             raise ApiError(400, f"the chat template cannot render these messages: {e}") from None
 
-    async def complete(self, ids: list[int], call: Call, session: Session) -> Generated:
+    async def complete(self, ids: list[int], call: Call, session: Session, images: list[str]) -> Generated:
         """Inference's answer, cut at the caller's stops; the session's clock stops while it waits."""
         max_new = min(call.sampling.get("max_tokens", self.max_new), self.max_new)
         if len(ids) + max_new > self.budget:
@@ -203,7 +221,9 @@ class Endpoint:
         session.busy += 1
         try:
             async with asyncio.timeout(self.call_timeout_s):
-                out = await self.model.complete(ids, {**call.sampling, "max_tokens": max_new}, session)
+                out = await self.model.complete(
+                    ids, {**call.sampling, "max_tokens": max_new}, session, images
+                )
         except TimeoutError:
             raise ApiError(
                 504, f"no answer within {self.call_timeout_s:g}s (agents.call_timeout_s)", kind="timeout"

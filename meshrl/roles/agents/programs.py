@@ -143,7 +143,9 @@ class Programs:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def complete(self, ids: list[int], sampling: dict[str, Any], session: Session) -> Generated:
+    async def complete(
+        self, ids: list[int], sampling: dict[str, Any], session: Session, images: list[str]
+    ) -> Generated:
         """The endpoint's model: the call as a row addressed to this replica, and its answer."""
         s = self.service
         if sampling.get("temperature", s.ctx.run.temperature) != s.ctx.run.temperature and session.key:
@@ -158,8 +160,8 @@ class Programs:
                 SAMPLING: json.dumps(sampling)}  # fmt: skip
         t0 = time.perf_counter()
         try:
-            await s.client.put(s.ctx.wiring.partition("calls"), {PROMPT: [torch.tensor(ids, dtype=torch.int64)]},
-                               meta=[meta], timeout=60)  # fmt: skip
+            columns = {PROMPT: [torch.tensor(ids, dtype=torch.int64)], **s.image_columns(images)}
+            await s.client.put(s.ctx.wiring.partition("calls"), columns, meta=[meta], timeout=60)
             batch, i = await answer
         finally:
             self.waiting.pop(name, None)

@@ -30,7 +30,9 @@ class Scripted:
         self.tok, self.answers, self.wait_s = tok, iter(answers), wait_s
         self.prompts: list[list[int]] = []
 
-    async def complete(self, ids: list[int], sampling: dict[str, Any], session: Session) -> Generated:
+    async def complete(
+        self, ids: list[int], sampling: dict[str, Any], session: Session, images: list[str]
+    ) -> Generated:
         self.prompts.append(ids)
         await asyncio.sleep(self.wait_s)
         out = [*self.tok(next(self.answers), add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
@@ -255,7 +257,7 @@ BAD = [
         "length <= 4",
     ),
     (
-        b'{"model": "policy", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        b'{"model": "policy", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
         "messages[0].content[0].type",
         "Invalid value",
     ),
