@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshrl.engines.settings import MemoryConfig, OptimConfig
 from meshrl.models.hub import missing
+from meshrl.models.vision import is_vision
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
 from meshrl.schema import PROMPT, RESPONSE, RETURNS, SAMPLES, SEGMENTS, VALID, VALUES
@@ -78,6 +79,11 @@ class CriticConfig(ServiceConfig):
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))
+        elif is_vision(self.model):
+            problems.append(
+                f"model: {self.model} is a vision-language model; a critic of one is not supported yet: use "
+                "GRPO-style advantages, or PPO with the policy's own value head (trainer.value.head)"
+            )
         if group.replicas != 1 or group.devices_per_replica > 1:
             problems.append("replicas/devices_per_replica: the critic runs as one replica on one device")
         if run.batch_size % self.mini_batches:

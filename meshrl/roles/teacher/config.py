@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshrl.models import vocab
+from meshrl.models.vision import disagreement
 from meshrl.planning.wiring import Write
 from meshrl.roles.scorer_config import ScorerConfig
 from meshrl.schema import SAMPLES, teacher_columns
@@ -56,6 +57,8 @@ class TeacherConfig(ScorerConfig):
         problems = super().check(run, group, wiring)
         if run.temperature <= 0:
             problems.append("temperature: the recipe's must be > 0 for a teacher's distribution")
+        if why := disagreement(self.model, wiring.claim("score").columns):
+            problems.append(why)
         student = wiring.inputs.get("policy")
         if not problems and student is not None and (why := vocab.mismatch(self.model, student)) is not None:
             problems.append(f"model: {why}")

@@ -10,6 +10,7 @@ import torch
 from meshrl.algorithms.chunked import head_is_linear, last_hidden
 from meshrl.algorithms.distill import topk_logprobs
 from meshrl.dataplane import Batch, Ragged
+from meshrl.models import vision
 from meshrl.roles.scorer import ScorerService, right_padded, token_batches
 from meshrl.roles.teacher.config import TeacherConfig
 from meshrl.schema import PROMPT, RESPONSE, SEGMENTS, teacher_columns
@@ -17,11 +18,9 @@ from meshrl.schema import PROMPT, RESPONSE, SEGMENTS, teacher_columns
 
 class TeacherService(ScorerService):
     def load(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         cfg = self.ctx.config
         assert isinstance(cfg, TeacherConfig)
-        model: Any = AutoModelForCausalLM.from_pretrained(cfg.model, **cfg.loader_kwargs)
+        model: Any = vision.load_model(cfg.model, **cfg.loader_kwargs)
         model = model.to(self.ctx.device).eval()
         vocab = model.get_output_embeddings().weight.shape[0]
         if cfg.top_k > vocab:
@@ -42,7 +41,7 @@ class TeacherService(ScorerService):
 
     def score(self, batch: Batch) -> dict[str, Any]:
         segments = batch.ragged(SEGMENTS) if SEGMENTS in batch else None
-        out = self.topk(batch.ragged(PROMPT), batch.ragged(RESPONSE), segments)
+        out = self.topk(batch.ragged(PROMPT), batch.ragged(RESPONSE), segments, vision.from_batch(batch))
         return dict(zip(self.columns, out, strict=True))
 
 
@@ -66,8 +65,14 @@ class TopK:
 
     @torch.no_grad()
     def __call__(
-        self, prompts: Ragged, responses: Ragged, segments: Ragged | None = None
+        self,
+        prompts: Ragged,
+        responses: Ragged,
+        segments: Ragged | None = None,
+        images: list[vision.Images | None] | None = None,
     ) -> tuple[Ragged, Ragged, Ragged]:
+        """(top-k ids, their logprobs, the sampled tokens' logprobs) of every row (a vision-language
+        model's with the rows' `images`)."""
         n = len(prompts)
         pad_id = int(self.model.config.pad_token_id or 0)
         ids: list[torch.Tensor] = [torch.empty(0)] * n
@@ -76,6 +81,8 @@ class TopK:
         for index in token_batches(prompts.lengths + responses.lengths, self.max_tokens):
             padded = right_padded(prompts, responses, index, pad_id, segments)
             inputs = {k: v if v is None else v.to(self.device) for k, v in padded.items()}
+            if images is not None:
+                inputs |= vision.model_inputs([images[i] for i in index.tolist()], self.device)
             rows, cols, targets = _response_positions(prompts, responses, index)
             targets = targets.to(self.device)
             top_ids, top_lp, target_lp = (self._streamed if self.streamed else self._full)(
