@@ -116,8 +116,9 @@ class Environments:
         await self.service.finish(meta, int(meta[TRAJ]), out)
 
 
-def trajectory_of(batch: Batch, i: int, shape: list[int]) -> Trajectory:
-    """The trajectory recorded in call row `i` (`Environments.write`)."""
+def trajectory_of(batch: Batch, i: int, shape: list[Any]) -> Trajectory:
+    """The trajectory recorded in call row `i` (`Environments.write`): `shape` is its first prompt length,
+    calls, splits, pictures and pictures per segment."""
     prompt_len, calls, splits, images, image_segments = shape
     return Trajectory(
         ids=batch.ragged(EARLIER)[i].tolist() + batch.ragged(PROMPT)[i].tolist(), prompt_len=prompt_len,
