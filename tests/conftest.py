@@ -88,6 +88,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init mixture of experts of the tiny model's size (Qwen3-MoE: 4 experts, 2 per token)."""
+    from meshrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "moe", arch="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def arith_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model after the demo's supervised warm start on arithmetic (imperfect on purpose)."""
     from meshrl.commands.demo import warm_start

@@ -5,7 +5,7 @@ those sections describe (meshrl/engines/settings.py: PPO clip or GSPO, token or 
 entropy bonus, KL to a reference, distillation, a value head), with gradient accumulation over
 micro-batches and loss normalisation over the whole step across every data-parallel rank. It works on
 CPU (gloo) and GPU (NCCL). With one rank the model is not wrapped at all (FSDP's hooks would be pure
-overhead) and AdamW runs fused. The same engine with `head="value"` is the critic (`update_value`).
+overhead) and AdamW runs fused. The same engine with `head="value"` is the critic (`value.ValueEngine`).
 
 Here: the optimizer, the forwards, the micro-batch loop of each optimizer step and the step itself.
 Beside it: how the model is built (loading, value head, checkpointing, LoRA, FSDP: `building.py`), what
@@ -33,9 +33,10 @@ from meshrl.algorithms.losses import entropy, token_logprobs
 from meshrl.dataplane.batch import DTYPE_NAMES
 from meshrl.engines import checkpoints
 from meshrl.engines.building import build
+from meshrl.engines.experts import attach, recording
 from meshrl.engines.gather import full_tensors
 from meshrl.engines.lora import adapter_parameters, merged_parameters, save_adapter, train_dropout
-from meshrl.engines.objective import Objective, PolicyObjective, value_terms
+from meshrl.engines.objective import Objective, PolicyObjective
 from meshrl.engines.optim import lr_factor
 from meshrl.engines.packing import TrainBatch, token_micro_batches
 from meshrl.engines.settings import (
@@ -44,6 +45,7 @@ from meshrl.engines.settings import (
     LoraConfig,
     LossConfig,
     MemoryConfig,
+    MoEConfig,
     OptimConfig,
     ValueHeadConfig,
 )
@@ -114,6 +116,7 @@ class FSDPEngine:
             memory.logits_chunk > 0 and head != "value" and built.logits_to_keep and built.linear_head
         )
         self.model: Any = model
+        self.routing = attach(model)  # a mixture of experts' routers, hooked (None: a dense model)
         self._manifest = [
             (n, tuple(p.shape), DTYPE_NAMES[self._published(p.dtype)]) for n, p in self._policy_parameters()
         ]
@@ -211,6 +214,7 @@ class FSDPEngine:
         kl: KLLossConfig = KLLossConfig(),
         distill: DistillConfig = DistillConfig(),
         value: ValueHeadConfig = ValueHeadConfig(),
+        moe: MoEConfig = MoEConfig(),
         epochs: int = 1,
     ) -> dict[str, float]:
         """Train on `batch` (this rank's share of a mini-batch): `epochs` optimizer steps over all of it,
@@ -223,11 +227,12 @@ class FSDPEngine:
         behaviour logprobs), and weights each token by min(proximal / behaviour, loss.is_cap); "tis" is
         truncated-importance-weighted REINFORCE against the behaviour policy (`objective.policy_loss`).
         Returns metrics averaged over epochs (timings summed); an epoch with a non-finite loss or
-        gradient is skipped and counted in `nan_skipped`.
+        gradient is skipped and counted in `nan_skipped`. A mixture of experts also reports its expert
+        load, and adds its routers' auxiliary loss with `moe.aux_loss_coef` (`experts.py`).
         """
         micro = self._micro_batches(batch)
         proximal = [self._proximal(mb) for mb in micro] if loss.off_policy == "decoupled" else []
-        objective = Objective(loss, kl, distill, value)
+        objective = Objective(loss, kl, distill, value, moe)
         return merged([self._epoch(batch, micro, proximal, objective) for _ in range(epochs)])
 
     def _epoch(
@@ -241,6 +246,7 @@ class FSDPEngine:
         objective = PolicyObjective(
             batch, settings, self.device, value_head=both, temperature=self.temperature, g_tokens=g_tokens,
             g_rows=g_rows, g_n=g_n, ranks=self.world,
+            experts=None if self.routing is None else (self.routing.layers, self.routing.experts),
         )  # fmt: skip
         # every rank must run the same number of micro-batches (FSDP collectives); pad with empty ones
         n_chunks = int(self._max([len(micro)]))
@@ -249,10 +255,14 @@ class FSDPEngine:
                 self.model.set_requires_gradient_sync(k == n_chunks - 1)
             mb = micro[k] if k < len(micro) else dataclasses.replace(micro[0], mask=micro[0].mask & False)
             mask = mb.mask.to(self.device)
-            forward = self._policy_forward(mb, self.temperature, entropy_grad=settings.loss.entropy_coef > 0)
+            counted = mb.attention_mask.bool() & (k < len(micro))  # a padding micro-batch counts none
+            with recording(self.routing, counted, grad=settings.moe.aux_loss_coef > 0) as routed:
+                forward = self._policy_forward(
+                    mb, self.temperature, entropy_grad=settings.loss.entropy_coef > 0
+                )
             behaviour = mb.old_logprobs.to(self.device)
             prox = proximal[k] if k < len(proximal) else behaviour
-            objective.backward(mb, forward, prox, behaviour, mask)
+            objective.backward(mb, forward, prox, behaviour, mask, routed)
         t1 = time.perf_counter()
         reduced = dict(zip(objective.sums, self.all_sum(list(objective.sums.values())), strict=True))
         step = self._step(loss_finite=objective.finite(reduced), empty=g_tokens == 0)
@@ -290,37 +300,6 @@ class FSDPEngine:
             mb = batch.rows(chunks[k])
             out[chunks[k], : mb.mask.shape[1]] = self.forward_values(mb).cpu()
         return out
-
-    def update_value(
-        self, batch: TrainBatch, *, clip: float | None = 0.2, epochs: int = 1
-    ) -> dict[str, float]:
-        """`epochs` optimizer steps of the value loss, clipped at `clip` around the values its advantages
-        were computed with (None: plain squared error), on `batch`, which carries those values and the
-        returns."""
-        assert batch.values is not None and batch.returns is not None, "update_value needs values, returns"
-        order = torch.argsort(batch.attention_mask.sum(1), descending=True)
-        chunks = list(order.split(self.memory.micro_batch))
-        results = []
-        for _ in range(epochs):
-            t0 = time.perf_counter()
-            (g_tokens,) = self.all_sum([float(batch.mask.sum())])
-            n_chunks = int(self._max([len(chunks)]))
-            sums = {"value_loss": 0.0, "value_clip_fraction": 0.0, "values_mean": 0.0}
-            for k in range(n_chunks):
-                if hasattr(self.model, "set_requires_gradient_sync"):
-                    self.model.set_requires_gradient_sync(k == n_chunks - 1)
-                mb = batch.rows(chunks[k] if k < len(chunks) else chunks[0][:1])
-                mask = mb.mask.to(self.device) & (k < len(chunks))
-                loss, shares = value_terms(self.forward_values(mb), mb, mask, clip, g_tokens)
-                (loss * self.world).backward()  # summed over the ranks, as the policy's (PolicyObjective)
-                for key, share in shares.items():
-                    sums[key] += share
-            reduced = dict(zip(sums, self.all_sum(list(sums.values())), strict=True))
-            t1 = time.perf_counter()
-            step = self._step(loss_finite=math.isfinite(reduced["value_loss"]), empty=g_tokens == 0)
-            results.append({**reduced, **step, "time/forward_backward_s": t1 - t0})
-            results[-1]["time/optimizer_s"] = time.perf_counter() - t1
-        return merged(results)
 
     def _step(self, *, loss_finite: bool, empty: bool = False) -> dict[str, float]:
         """Clip gradients and take an optimizer step unless the loss or gradients are not finite, or the

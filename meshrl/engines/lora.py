@@ -66,12 +66,22 @@ def _merged(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         if ".lora_" in name:
             continue
         if ".base_layer." in name:
-            owner, _, leaf = name.rpartition(".base_layer.")
-            if leaf == "weight":
-                delta = base.get_submodule(owner).get_delta_weight(ADAPTER)
+            delta = _delta(base.get_submodule(name.partition(".base_layer.")[0]), name.rpartition(".")[2])
+            if delta is not None:
                 p = (p.float() + delta.float()).to(p.dtype)
-            name = f"{owner}.{leaf}"
+            name = name.replace(".base_layer", "")
         yield name, p
+
+
+def _delta(layer: Any, leaf: str) -> torch.Tensor | None:
+    """The adapter's update of the parameter `leaf` of the module under the LoRA layer `layer`: a linear
+    layer's weight, or a parameter PEFT adapts by name (a mixture of experts' stacked experts and its
+    router: one wrapper per parameter, nested, each naming its own); None for one without (a bias)."""
+    while hasattr(layer, "base_layer"):
+        if getattr(layer, "parameter_name", "weight") == leaf and ADAPTER in layer.lora_A:
+            return layer.get_delta_weight(ADAPTER)
+        layer = layer.base_layer
+    return None
 
 
 def save_adapter(model: Any, lora: Any, hf_config: Any, path: str, *, source: str | None, world: int) -> None:

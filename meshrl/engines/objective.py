@@ -3,11 +3,11 @@
 The engine (`fsdp.py`) runs the forwards and the optimizer; this module turns one micro-batch's forward
 into its loss. A policy step's loss is the policy loss `loss.policy` and `loss.off_policy` pick (PPO
 clip, decoupled PPO, truncated IS or GSPO), minus the entropy bonus, plus the KL to the reference, the
-actor-critic's clipped value loss and each teacher's distillation term: the sections of `Objective`
-(meshrl/engines/settings.py), each taken whole. `PolicyObjective` assembles it
-one micro-batch at a time, backpropagates it, and sums the metrics over the step's micro-batches, each
-share already normalised by the whole step (every rank's tokens), so the engine's all-reduce of the sums
-gives the step's metrics. A critic's step is the value loss alone (`value_terms`).
+actor-critic's clipped value loss, each teacher's distillation term and a mixture of experts' router
+load-balancing loss: the sections of `Objective` (meshrl/engines/settings.py), each taken whole.
+`PolicyObjective` assembles it one micro-batch at a time, backpropagates it, and sums the metrics over
+the step's micro-batches, each share already normalised by the whole step (every rank's tokens), so the
+engine's all-reduce of the sums gives the step's metrics. A critic's step is the value loss alone (`value_terms`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from meshrl.algorithms.losses import (
     tis,
     value_loss,
 )
+from meshrl.engines.experts import Routed, load_metrics
 from meshrl.engines.packing import TrainBatch
-from meshrl.engines.settings import DistillConfig, KLLossConfig, LossConfig, ValueHeadConfig
+from meshrl.engines.settings import DistillConfig, KLLossConfig, LossConfig, MoEConfig, ValueHeadConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Objective:
     kl: KLLossConfig
     distill: DistillConfig
     value: ValueHeadConfig
+    moe: MoEConfig = MoEConfig()
 
 
 class PolicyObjective:
@@ -48,7 +50,8 @@ class PolicyObjective:
     step's metrics summed over micro-batches. The counts are over every data-parallel rank: `g_tokens`
     response tokens, `g_rows` rows that have any, `g_n` rows. So each rank's loss is its share of the
     whole batch's, and the gradient wanted is the sum of the ranks' gradients; FSDP averages them, so
-    what is backpropagated is the loss times `ranks`."""
+    what is backpropagated is the loss times `ranks`. A mixture of experts (`experts`: its MoE layers
+    and experts) also sums the tokens each expert received and the routers' auxiliary loss."""
 
     def __init__(
         self,
@@ -62,6 +65,7 @@ class PolicyObjective:
         g_rows: float,
         g_n: float,
         ranks: int = 1,
+        experts: tuple[int, int] | None = None,
     ) -> None:
         self.settings, self.device, self.temperature, self.ranks = settings, device, temperature, ranks
         # a step without tokens (every sample failed to score) has loss 0, not 0 / 0
@@ -76,6 +80,13 @@ class PolicyObjective:
             self.sums["distill_loss"] = 0.0
             for name in sorted(batch.teachers):
                 self.sums.update({f"{name}_kl": 0.0, f"{name}_agreement": 0.0, f"{name}_reverse_kl": 0.0})
+        if settings.moe.aux_loss_coef > 0 and experts is None:
+            raise ValueError("moe.aux_loss_coef: the model is not a mixture of experts (no routers)")
+        if experts is not None:  # tokens per (layer, expert): summed over the ranks with the rest
+            layers, n = experts
+            self.routing_keys = [f"routed/{layer}/{e}" for layer in range(layers) for e in range(n)]
+            self.sums.update({"moe/aux_loss": 0.0, **dict.fromkeys(self.routing_keys, 0.0)})
+        self.experts = experts
         self.ratio_max = self.is_max = 0.0  # this rank's
 
     def backward(
@@ -85,10 +96,12 @@ class PolicyObjective:
         proximal: torch.Tensor,
         behaviour: torch.Tensor,
         mask: torch.Tensor,
+        routed: Routed | None = None,
     ) -> None:
         """Backpropagate the loss of micro-batch `mb` and add its metrics. `forward`: the engine's
         (logprobs, entropy, logits or None, values or None) of it; `mask` its tokens on the engine's
-        device. The entropy enters the loss only with a coefficient: a metric needs no gradient."""
+        device; `routed`: a mixture of experts' routing in that forward. The entropy enters the loss only
+        with a coefficient: a metric needs no gradient."""
         cfg, sums, tokens = self.settings, self.sums, max(self.g_tokens, 1.0)
         agg = cfg.loss.aggregation
         lp, ent, logits, values = forward
@@ -110,8 +123,10 @@ class PolicyObjective:
         for name, teacher in mb.teachers.items():
             assert logits is not None, "distillation needs the whole logits (the engine computes them)"
             loss = self._distill(loss, name, teacher, lp, logits, mask)
-        (loss * self.ranks).backward()
         weight = float(mask.sum()) / tokens
+        if routed is not None:
+            loss = self._route(loss, routed, weight)
+        (loss * self.ranks).backward()
         with torch.no_grad():
             k3 = kl(lp.detach(), behaviour, "k3")
             sums["kl_behaviour"] += float(torch.where(mask, k3, 0.0).sum()) / tokens
@@ -150,10 +165,22 @@ class PolicyObjective:
             sums[f"{name}_reverse_kl"] += float(reverse) / tokens
         return loss
 
+    def _route(self, loss: torch.Tensor, routed: Routed, weight: float) -> torch.Tensor:
+        """`loss` plus the routers' auxiliary loss of the micro-batch (its share `weight` of the step's
+        tokens, times moe.aux_loss_coef; none when that is 0), adding the tokens each expert received."""
+        coef = self.settings.moe.aux_loss_coef
+        aux = routed.aux_loss()
+        if coef > 0:
+            loss = loss + coef * weight * aux
+        self.sums["moe/aux_loss"] += float(aux.detach()) * weight
+        for key, n in zip(self.routing_keys, routed.counts().flatten().tolist(), strict=True):
+            self.sums[key] += n
+        return loss
+
     def finite(self, reduced: dict[str, float]) -> bool:
         """Whether the step's loss is finite, from `reduced` (`sums` summed over every rank)."""
         total = (reduced["pg_loss"] + reduced["kl_ref"] + reduced.get("distill_loss", 0.0)
-                 + reduced.get("value_loss", 0.0))  # fmt: skip
+                 + reduced.get("value_loss", 0.0) + reduced.get("moe/aux_loss", 0.0))  # fmt: skip
         return math.isfinite(total)
 
     def metrics(
@@ -167,13 +194,17 @@ class PolicyObjective:
                 del reduced[key]
         else:
             reduced["is_weight_max"] = reduce_max([self.is_max])
+        if self.experts is not None:
+            counts = torch.tensor([reduced.pop(k) for k in self.routing_keys], dtype=torch.float64)
+            reduced.update(load_metrics(counts.view(self.experts)))
         return {
             **reduced,
             "loss": reduced["pg_loss"]
             - cfg.loss.entropy_coef * reduced["entropy"]
             + cfg.kl.coef * reduced["kl_ref"]
             + (cfg.distill.coef * reduced["distill_loss"] if "distill_loss" in reduced else 0.0)
-            + (cfg.value.coef * reduced["value_loss"] if "value_loss" in reduced else 0.0),
+            + (cfg.value.coef * reduced["value_loss"] if "value_loss" in reduced else 0.0)
+            + (cfg.moe.aux_loss_coef * reduced["moe/aux_loss"] if "moe/aux_loss" in reduced else 0.0),
             "ratio_max": reduce_max([self.ratio_max]),
         }
 

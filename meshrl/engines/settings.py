@@ -3,8 +3,8 @@
 A service's config holds these sections as fields (`trainer.optim.lr`, `trainer.memory.precision`,
 `inference.vllm.kv_cache_gb`) and hands each, whole, to the component that uses it: the optimizer and its
 schedule (`OptimConfig`), how a step fits in memory (`MemoryConfig`), LoRA adapters (`LoraConfig`), what
-a policy step minimises (`LossConfig`, `KLConfig`, `DistillConfig`, `ValueHeadConfig`: the FSDP
-engine's objective, `objective.py`), the generation engines' own settings, and the simulated engines'.
+a policy step minimises (`LossConfig`, `KLConfig`, `DistillConfig`, `ValueHeadConfig`, `MoEConfig`: the
+FSDP engine's objective, `objective.py`), the generation engines' own settings, and the simulated engines'.
 The trainer and the critic share the optimizer and memory sections; rollout's KL penalty in the reward
 is a `KLConfig` too (`rollout.kl_penalty`), so a name means one thing wherever it appears.
 
@@ -230,6 +230,22 @@ class ValueHeadConfig(Config):
             yield "coef: must be >= 0"
         if self.clip is not None and self.clip <= 0:
             yield "clip: must be > 0 (or None)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig(Config):
+    """A mixture of experts' routers in the policy step (`meshrl/engines/experts.py`). The expert load
+    (tokens per expert, the busiest expert over the mean) is reported for every such model; the
+    auxiliary loss only on request."""
+
+    aux_loss_coef: float = 0.0
+    """Weight of the routers' load-balancing loss (the Switch Transformer's, averaged over MoE layers:
+    1 when the tokens spread evenly over the experts, up to experts / top-k when the same top-k take
+    them all), added to the policy loss; 0: off. Needs a mixture of experts."""
+
+    def validate(self) -> Iterator[str]:
+        if self.aux_loss_coef < 0:
+            yield f"aux_loss_coef: must be >= 0 (0: off), got {self.aux_loss_coef}"
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ class VLLMEngine(InferenceEngine):
             self._staged = []
             with self.rpc:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                self.llm.collective_rpc("meshrl_repack_experts")
                 if self.tied:
                     self.llm.collective_rpc("meshrl_retie")
                 self.llm.reset_prefix_cache()

@@ -48,8 +48,22 @@ class WeightReceiver:
         else:
             read = self._meshrl_broadcast
         self.reload_weights(weights_iterator=(t for bucket in incoming(header, read) for t in bucket))
+        self.meshrl_repack_experts()
         if tied:
             self.meshrl_retie()
+
+    def meshrl_repack_experts(self) -> None:
+        """After an in-place reload on CPU, a mixture of experts' weights packed again. vLLM's CPU build
+        packs them into its grouped-GEMM layout at the first load only: a reload copies the new
+        weights, unpacked, into the packed tensors and leaves them so (vLLM 0.32, `_setup_kernel` on a
+        weight update), and the experts compute with scrambled weights (measured: logprobs up to 3 nats
+        off after one update, exact with this). Dense models have no experts: nothing to do."""
+        if self.device.type != "cpu":
+            return
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            if kernel is not None:
+                kernel.fused_experts.process_weights_after_loading(module)
 
     def meshrl_retie(self) -> None:
         """After an in-place reload of a model whose output head is its input embedding: the reload

@@ -2,7 +2,8 @@
 
 Tests and the CPU demo need a real Hugging Face checkpoint (one that `AutoModelForCausalLM` and
 `AutoTokenizer` load like any other) but cannot download one. This module makes one: a tokenizer with
-one token per character and a randomly initialised Qwen2 (or Llama) of about a million parameters.
+one token per character and a randomly initialised Qwen2 (or Llama, or a Qwen3-MoE mixture of experts)
+of about a million parameters.
 
 Vocabulary, in id order (the order is fixed: checkpoints and tests rely on it):
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -50,6 +52,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 PAD = "<pad>"
@@ -76,6 +80,9 @@ CHAT_TEMPLATE = (
 )
 
 
+VISION_TOKENS = ("<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")
+"""The special tokens of a vision-language model's tokenizer (Idefics3's image placeholders and turn end)."""
+
 THINK, END_THINK = "<think>", "</think>"
 REASONING_TEMPLATE = (
     "{% set ns = namespace(query=-1) %}"
@@ -101,7 +108,9 @@ def vocabulary(size: int | None = None) -> dict[str, int]:
     return vocab | {f"w{i}": i for i in range(len(vocab), size or 0)}
 
 
-def build_tokenizer(size: int | None = None, *, reasoning: bool = False) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    size: int | None = None, *, reasoning: bool = False, vision: bool = False
+) -> PreTrainedTokenizerFast:
     """The character-level tokenizer (see the module docstring for its vocabulary and template).
 
     `size`: the vocabulary padded with filler tokens ``w<id>`` to that many, for a random-init model of a
@@ -111,6 +120,8 @@ def build_tokenizer(size: int | None = None, *, reasoning: bool = False) -> PreT
     vocab = vocabulary(size)
     if reasoning:
         vocab = {**vocab, THINK: len(vocab), END_THINK: len(vocab) + 1}
+    if vision:
+        vocab = {**vocab, **{t: len(vocab) + i for i, t in enumerate(VISION_TOKENS)}}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_FALLBACK))
     # Special tokens are matched first; the rest is cut into single characters, each then spelled as
     # its bytes (an unsupported character thus becomes one unknown pre-token, one `?`).
@@ -121,7 +132,11 @@ def build_tokenizer(size: int | None = None, *, reasoning: bool = False) -> PreT
         ]
     )
     core.decoder = decoders.ByteLevel()
-    specials = [*SPECIAL_TOKENS, *((THINK, END_THINK) if reasoning else ())]
+    specials = [
+        *SPECIAL_TOKENS,
+        *((THINK, END_THINK) if reasoning else ()),
+        *(VISION_TOKENS if vision else ()),
+    ]
     core.add_special_tokens(specials)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -136,11 +151,17 @@ def build_tokenizer(size: int | None = None, *, reasoning: bool = False) -> PreT
     return tok
 
 
-ARCHITECTURES: dict[str, tuple[type[Qwen2Config] | type[LlamaConfig], type[PreTrainedModel]]] = {
+ARCHITECTURES: dict[
+    str, tuple[type[Qwen2Config] | type[LlamaConfig] | type[Qwen3MoeConfig], type[PreTrainedModel]]
+] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 """The ``arch`` values `build_tiny_model` accepts."""
+EXPERTS: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}
+"""The mixture of experts of arch "qwen3_moe": 4 experts in every layer, each token routed to 2, each
+expert half the dense model's intermediate size (a token's compute is the dense model's)."""
 
 
 def build_tiny_model(
@@ -183,6 +204,7 @@ def build_tiny_model(
         bos_token_id=eos,
         eos_token_id=eos,
         dtype=torch.float32,
+        **({**EXPERTS, "moe_intermediate_size": intermediate_size // 2} if arch == "qwen3_moe" else {}),
     )
     if reward_model:
         from transformers import AutoModelForSequenceClassification
@@ -195,5 +217,77 @@ def build_tiny_model(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+VISION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{% elif message['role'] == 'assistant' %}<|assistant|>"
+    "{% elif message['role'] == 'system' %}{% else %}"
+    "{{ raise_exception('the tiny chat template knows only system, user and assistant roles') }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}<eos>{% elif message['role'] == 'system' %} {% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The tiny template with content parts: an image part renders as the processor's `<image>` placeholder."""
+
+
+def build_tiny_vlm(
+    path: str | Path,
+    *,
+    image_size: int = 32,
+    patch_size: int = 8,
+    vision_hidden: int = 64,
+    vision_layers: int = 2,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised tiny vision-language model (Idefics3, the SmolVLM family: a SigLIP
+    vision tower, a pixel-shuffle connector and a Llama language model over the character tokenizer)
+    with its processor to `path`. Images are resized to `image_size` pixels on their longest side (no
+    splitting into tiles) and become (image_size / patch_size)^2 / 4 image tokens each."""
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+    )
+
+    tok = build_tokenizer(vision=True)
+    tok.chat_template = VISION_TEMPLATE
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    text = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=3 * hidden_size, max_position_embeddings=4 * MAX_POSITIONS,
+        tie_word_embeddings=True, pad_token_id=pad, bos_token_id=eos, eos_token_id=eos,
+    )  # fmt: skip
+    vision = {"hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden, "num_hidden_layers": vision_layers,
+              "num_attention_heads": 2, "image_size": image_size, "patch_size": patch_size}  # fmt: skip
+    cfg = Idefics3Config(
+        text_config=text.to_dict(), vision_config=vision, scale_factor=2, tie_word_embeddings=True,
+        image_token_id=len(vocabulary()), pad_token_id=pad, dtype=torch.float32,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
+    images = Idefics3ImageProcessor(
+        do_image_splitting=False,
+        size={"longest_edge": image_size},
+        max_image_size={"longest_edge": image_size},
+    )
+    seq_len = (image_size // patch_size) ** 2 // 4
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=seq_len,
+                                  chat_template=VISION_TEMPLATE)  # fmt: skip
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
     tok.save_pretrained(out)
     return out

@@ -98,6 +98,17 @@ CATALOGUE: dict[str, Metric] = {
     "{teacher}_kl": Metric(M, "forward KL from a teacher's top-k to the student"),
     "{teacher}_agreement": Metric(M, "share of tokens where the student's top token is the teacher's"),
     "{teacher}_reverse_kl": Metric(M, "log p_student - log p_teacher of the sampled tokens"),
+    # a mixture of experts (meshrl/engines/experts.py): the routing of the policy forwards' tokens
+    "moe/aux_loss": Metric(
+        M, "the routers' load-balancing loss (1: even; in the loss with trainer.moe.aux_loss_coef)"
+    ),
+    "moe/tokens_per_expert/{expert}": Metric(
+        S, "tokens routed to an expert (from 0) in the step's forwards, summed over the MoE layers"
+    ),
+    "moe/load_max_over_mean": Metric(
+        M, "tokens of a layer's busiest expert over its experts' mean (1: even), averaged over the MoE layers"
+    ),
+    "moe/load_max_over_mean_max": Metric(X, "the same at the most imbalanced MoE layer"),
     # values (the critic's versions, critic.jsonl; or the trainer's value head)
     "value_loss": Metric(M, "clipped value loss"),
     "value_clip_fraction": Metric(M, "share of tokens whose value update was clipped"),

@@ -139,6 +139,19 @@ def test_llama_arch_and_shape_options(tmp_path: Path) -> None:
     assert ids(tokenizer, "A") == ids(tokenizer, "?")
 
 
+def test_a_mixture_of_experts_arch(tiny_moe: Path) -> None:
+    """arch="qwen3_moe": every layer routes each token to 2 of 4 experts; about the dense model's size,
+    and its tokenizer loads as saved."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    cfg = model.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 192)
+    assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 1_600_000
+    tokenizer = AutoTokenizer.from_pretrained(tiny_moe)
+    assert ids(tokenizer, EVERY_CLASS) == ids(build_tokenizer(), EVERY_CLASS)
+    assert tokenizer.decode(ids(tokenizer, EVERY_CLASS)) == EVERY_CLASS
+
+
 def test_rejects_unknown_arch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arch"):
         build_tiny_model(tmp_path / "x", arch="gpt2")

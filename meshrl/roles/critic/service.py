@@ -34,8 +34,8 @@ import torch
 
 from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.missing import put_missing_async
-from meshrl.engines.fsdp import FSDPEngine
 from meshrl.engines.packing import pack
+from meshrl.engines.value import ValueEngine
 from meshrl.observe.metrics import JsonlSink, merged
 from meshrl.roles.critic.config import CriticConfig
 from meshrl.runtime.service import WATCH_S, Service
@@ -51,7 +51,7 @@ class CriticService(Service):
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.engine = FSDPEngine(
+        self.engine = ValueEngine(
             cfg.model, cfg.optim, memory=cfg.memory, device=self.ctx.device,
             total_steps=self.ctx.run.total_steps * cfg.mini_batches * cfg.epochs,
             loader_kwargs=cfg.loader_kwargs, seed=self.ctx.run.seed, head="value",

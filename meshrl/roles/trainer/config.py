@@ -3,6 +3,7 @@ take whole (meshrl/engines/settings.py)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from meshrl.engines.settings import (
     LoraConfig,
     LossConfig,
     MemoryConfig,
+    MoEConfig,
     OptimConfig,
     SimTraining,
     ValueHeadConfig,
@@ -99,6 +101,8 @@ class TrainerConfig(ServiceConfig):
     """On-policy distillation from teacher services."""
     value: ValueHeadConfig = ValueHeadConfig()
     """A value head on the policy (PPO's actor-critic without a critic service)."""
+    moe: MoEConfig = MoEConfig()
+    """A mixture of experts' routers: the auxiliary load-balancing loss (off unless moe.aux_loss_coef > 0)."""
     mini_batches: int = 1
     """Mini-batches per training step (one weight version): the trainer claims a mini-batch of whole
     groups as soon as it is ready, takes an optimizer step on it, and publishes new weights after
@@ -125,6 +129,8 @@ class TrainerConfig(ServiceConfig):
             yield "loader_kwargs: the trainer's dtype is set by trainer.memory.precision (fp32 or bf16-mixed)"
         if self.value.head and self.engine == "sim":
             yield "value.head: needs engine='fsdp'"
+        if self.moe.aux_loss_coef > 0 and self.engine != "fsdp":
+            yield "moe.aux_loss_coef: needs engine='fsdp'"
         if self.lora.rank and (self.value.head or self.engine != "fsdp"):
             yield "lora: adapters train the policy of the fsdp engine, without value.head"
         if self.memory.max_tokens_per_micro_batch is not None and not self.loss.per_token:
@@ -181,6 +187,11 @@ class TrainerConfig(ServiceConfig):
             problems.append(why)
         if group.replicas != 1:
             problems.append("replicas: one trainer replica (scale it with devices_per_replica)")
+        if self.moe.aux_loss_coef > 0 and experts(self.model) == 0:
+            problems.append(
+                f"moe.aux_loss_coef: the model {self.model!r} is not a mixture of experts (its config.json "
+                "names no experts): set it to 0"
+            )
         world = max(1, group.devices_per_replica)
         if run.prompts_per_step % (world * self.mini_batches):
             problems.append(
@@ -188,3 +199,14 @@ class TrainerConfig(ServiceConfig):
                 f"{self.mini_batches} mini-batches of whole groups on each of {world} trainer rank(s)"
             )
         return problems
+
+
+def experts(model: str) -> int | None:
+    """Experts per MoE layer that the model folder's config.json names (0: a dense model), or None when
+    there is no config to read."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    config = {**config, **(config.get("text_config") or {})}  # a vision-language model's language model
+    return max(int(config.get(k) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))

@@ -218,7 +218,7 @@ class TrainerService(Service):
             packed.advantages = distilled_advantages(packed, cfg)
         kl = cfg.kl if cfg.kl.target is None else dataclasses.replace(cfg.kl, coef=self.kl.coef)
         stats = self.engine.update_policy(
-            packed, cfg.loss, kl=kl, distill=cfg.distill, value=cfg.value, epochs=cfg.epochs
+            packed, cfg.loss, kl=kl, distill=cfg.distill, value=cfg.value, moe=cfg.moe, epochs=cfg.epochs
         )
         stats.update(critic)
         if cfg.kl.target is not None:

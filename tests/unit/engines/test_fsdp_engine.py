@@ -118,7 +118,12 @@ def test_pack_spreads_per_token_advantages_and_critic_columns():
 
 
 def test_value_head_learns_returns_that_depend_on_the_tokens(tiny_model):
-    engine = engine_with(tiny_model, lr=3e-3, head="value", micro_batch=4)
+    from meshrl.engines.value import ValueEngine
+
+    memory = MemoryConfig(micro_batch=4)
+    engine = ValueEngine(
+        str(tiny_model), OptimConfig(lr=3e-3), device=torch.device("cpu"), memory=memory, head="value"
+    )
     b = batch(12)
     # the return of a position is 1 when the token just read is even: the critic must read the tokens
     b.returns = torch.where(b.mask, (b.input_ids[:, :-1] % 2 == 0).float(), 0.0)
