@@ -8,6 +8,7 @@ USAGE = """usage: meshrl COMMAND [ARGS]
 
 commands:
   demo                                       the main job: a tiny model learns arithmetic by GRPO
+  demo vlm [--json]                          a tiny vision-language model learns to read pictures
   run RECIPE [--devices N] [key=value ...]   run a recipe on this host (Ctrl-C stops it)
   launch RECIPE [key=value ...]              one launcher of a multi-host run (under torchrun -m meshrl)
   models NAME [--out DIR]                    a real pretrained model as an HF folder (smollm2-135m)

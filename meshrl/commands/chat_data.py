@@ -9,6 +9,14 @@ should learn to write. A row is one of:
   mask covers the completion and EOS (a base model's warm start, `meshrl.tasks.arith`);
 - a prompt and a completion, both lists of messages: the conversation `prompt + completion`.
 
+A conversation may hold images, for a vision-language model: OpenAI `image_url` parts (data URLs), image
+parts holding the image (`{"type": "image", "image": ...}`, or its `url` / `path`), or bare
+`{"type": "image"}` placeholders that stand, in order, for the row's `images` field (PIL images, file
+paths, `datasets` Image values, bytes or data URLs, as rollout reads them). Such a row is rendered by the
+model's processor (meshrl/models/vision.py): every placeholder expanded into the image's tokens, and the
+pixels carried beside the ids into the engine's batch. An image that does not decode, is over the pixel
+limit (--max-pixels) or has no placeholder, and images for a text model, are errors naming the row.
+
 The loss mask is RL's notion (meshrl/envs/trajectory.py): one 0/1 per token, 1 on the tokens the model
 itself should produce. Few chat templates mark the assistant's text (`{% generation %}`), so it is found
 by rendering: for each assistant message, the conversation before it (with and without the generation
@@ -37,6 +45,8 @@ from meshrl.dataplane.batch import Ragged
 from meshrl.engines.packing import TrainBatch, pack
 from meshrl.envs.parsers import HermesParser
 from meshrl.envs.render import Renderer
+from meshrl.models import vision
+from meshrl.models.vision import Images
 
 Message = dict[str, Any]
 
@@ -51,6 +61,13 @@ class Conversation:
     """Its file and row, for error messages ("chats.jsonl: line 7")."""
     messages: list[Message]
     tools: list[dict[str, Any]] | None
+    images: tuple[Any, ...] = ()
+    """The row's `images` field: what its bare `{"type": "image"}` parts stand for, in order."""
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the conversation holds images (in its messages, or in its `images` field)."""
+        return bool(self.images) or any(_image_parts(m) for m in self.messages)
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,8 @@ class Example:
     mask: list[int]
     """1 on the tokens of assistant messages, 0 elsewhere (one per id)."""
     truncated: bool
+    images: Images | None = None
+    """A vision-language model's pixels of the images whose tokens `ids` hold (None: no image)."""
 
 
 def read_rows(path: str) -> list[Conversation | Completion]:
@@ -145,7 +164,16 @@ def conversation(row: Any, where: str) -> Conversation:
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise DataError(f"{where}: 'tools' must be a list of function schemas")
-    return Conversation(where, clean, tools or None)
+    images = row.get("images")
+    images = [] if images is None else images if isinstance(images, list | tuple) else [images]
+    return Conversation(where, clean, tools or None, tuple(images))
+
+
+def _image_parts(message: Message) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [p for p in content if isinstance(p, dict) and p.get("type") in ("image", "image_url")]
 
 
 @functools.cache
@@ -167,14 +195,19 @@ def chat_tokens(tokenizer: Any, chat: Conversation) -> tuple[list[int], list[int
     """(ids, loss mask) of a conversation: its whole rendering, 1 on the assistant messages' tokens (see
     the module docstring). Raises DataError when the template renders a prefix of the conversation
     differently from the start of the whole."""
-    full = _render(tokenizer, chat, len(chat.messages), generation=False)
+    return _masked(chat, lambda n, generation: _render(tokenizer, chat, n, generation=generation))
+
+
+def _masked(chat: Conversation, render: Any) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of `chat` given `render(n, generation)`, the token ids of its first n messages."""
+    full = render(len(chat.messages), False)
     mask = [0] * len(full)
     for i, m in enumerate(chat.messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, chat, i, generation=False)
-        prompt = _render(tokenizer, chat, i, generation=True)
-        through = _render(tokenizer, chat, i + 1, generation=False)
+        before = render(i, False)
+        prompt = render(i, True)
+        through = render(i + 1, False)
         if through[: len(before)] != before or full[: len(through)] != through:
             raise DataError(
                 f"{chat.where}: the chat template renders the conversation up to message {i + 1} "
@@ -210,6 +243,77 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def image_chat_tokens(
+    processor: Any, chat: Conversation, max_pixels: int
+) -> tuple[list[int], list[int], Images | None]:
+    """(ids, loss mask, pixels) of a conversation with images, rendered by a vision-language model's
+    processor: as `chat_tokens`, every image placeholder expanded into the image's tokens."""
+    if chat.tools:
+        raise DataError(f"{chat.where}: tools and images in one row: a vision-language row takes no 'tools'")
+    messages, images, per_message = _with_images(chat, max_pixels)
+    done: dict[tuple[int, bool], tuple[list[int], Images | None]] = {}  # the processor is slow-ish: once each
+
+    def encoded(n: int, generation: bool) -> tuple[list[int], Images | None]:
+        if n == 0:
+            return [], None
+        if (n, generation) not in done:
+            try:
+                ids, pixels = vision.encode(
+                    processor, messages[:n], images[: sum(per_message[:n])], chat.where, generation=generation
+                )
+            except ValueError as e:  # placeholders and images that do not match (the error names the row)
+                raise DataError(str(e)) from None
+            except Exception as e:  # the template's own error (an unknown role, ...), with the row
+                raise DataError(f"{chat.where}: the chat template cannot render it: {e}") from e
+            done[n, generation] = [int(i) for i in ids], pixels
+        return done[n, generation]
+
+    ids, mask = _masked(chat, lambda n, generation: encoded(n, generation)[0])
+    return ids, mask, encoded(len(messages), False)[1]
+
+
+def _with_images(chat: Conversation, max_pixels: int) -> tuple[list[Message], list[Any], list[int]]:
+    """The messages as the processor's template takes them, the images they stand for (decoded, in the
+    order of their parts: the `images` field's in the place of the bare placeholders) and how many each
+    message holds."""
+    listed = list(chat.images)
+    messages, images, per_message = [], [], []
+    used = 0
+    for m in chat.messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                bare = (
+                    isinstance(part, dict)
+                    and part.get("type") == "image"
+                    and all(part.get(k) is None for k in ("image", "url", "path"))
+                )
+                if bare:
+                    if used == len(listed):
+                        raise DataError(
+                            f"{chat.where}: more image placeholders than the {len(listed)} image(s) of its "
+                            "'images' field"
+                        )
+                    part = {**part, "image": listed[used]}
+                    used += 1
+                parts.append(part)
+            m = {**m, "content": parts}
+        try:
+            (out,), found = vision.split_messages([m], chat.where, max_pixels)
+        except ValueError as e:  # an image that does not decode or is too large (the error names the row)
+            raise DataError(str(e)) from None
+        messages.append(out)
+        images += found
+        per_message.append(len(found))
+    if used < len(listed):
+        raise DataError(
+            f"{chat.where}: {len(listed)} image(s) in its 'images' field but {used} image placeholder(s) "
+            'in its messages ({"type": "image"} parts)'
+        )
+    return messages, images, per_message
+
+
 def completion_tokens(tokenizer: Any, row: Completion) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of a prompt and completion: the prompt as rollout encodes text, the completion
     and EOS after it, 1 on those."""
@@ -221,19 +325,56 @@ def completion_tokens(tokenizer: Any, row: Completion) -> tuple[list[int], list[
     return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
 
-def encode(tokenizer: Any, row: Conversation | Completion, max_len: int) -> Example:
-    """The row's ids and mask, cut to `max_len` tokens."""
+def encode(
+    tokenizer: Any,
+    row: Conversation | Completion,
+    max_len: int,
+    *,
+    processor: Any = None,
+    max_pixels: int = vision.DEFAULT_MAX_PIXELS,
+) -> Example:
+    """The row's ids and mask, cut to `max_len` tokens. A conversation with images needs the
+    vision-language model's `processor` (None: a text model, and such a row is an error); a cut that
+    would split an image's tokens falls before that image, which is left out."""
     if isinstance(row, Completion):
         ids, mask = completion_tokens(tokenizer, row)
+    elif row.has_images:
+        if processor is None:
+            raise DataError(
+                f"{row.where}: a row with images, for a text model (no vision tower): give --model a "
+                "vision-language model, or rows without images"
+            )
+        ids, mask, pixels = image_chat_tokens(processor, row, max_pixels)
+        cut = len(ids) > max_len
+        if cut and pixels is not None:
+            ids, mask, pixels = _cut_images(processor, ids, mask, pixels, max_len)
+        return Example(ids[:max_len], mask[:max_len], cut, pixels)
     else:
         ids, mask = chat_tokens(tokenizer, row)
     return Example(ids[:max_len], mask[:max_len], len(ids) > max_len)
+
+
+def _cut_images(
+    processor: Any, ids: list[int], mask: list[int], pixels: Images, max_len: int
+) -> tuple[list[int], list[int], Images | None]:
+    """`ids` to be cut at `max_len`: when the cut falls inside an image's tokens it moves before the
+    first of them, and only the images left whole keep their pixels (the model takes as many images
+    as its image tokens make: each of the processor's images, a tile or the whole, has as many)."""
+    image_id = processor.tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", "<image>"))
+    at = [i for i, t in enumerate(ids) if t == image_id]
+    per = len(at) // len(pixels)
+    whole = sum(1 for i in at if i < max_len) // per if per else 0
+    if whole < len(pixels):
+        ids, mask = ids[: at[whole * per]], mask[: at[whole * per]]
+    kept = None if whole == 0 else Images(pixels.pixels[:whole], pixels.mask[:whole])
+    return ids, mask, kept
 
 
 def to_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
     """The engine's batch: each example a row, its masked tokens the positions the loss covers (as a
     response with a loss mask, `packing.pack`; the first token is the "prompt": nothing predicts it)."""
     n = len(examples)
+    images = [e.images for e in examples] if any(e.images is not None for e in examples) else None
     return pack(
         [torch.tensor(e.ids[:1]) for e in examples],
         [torch.tensor(e.ids[1:]) for e in examples],
@@ -242,4 +383,5 @@ def to_batch(examples: Sequence[Example], pad_id: int) -> TrainBatch:
         torch.ones(n, dtype=torch.bool),
         pad_id=pad_id,
         loss_mask=Ragged.from_list([torch.tensor(e.mask[1:], dtype=torch.int8) for e in examples]),
+        images=images,
     )

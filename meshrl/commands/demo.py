@@ -6,6 +6,8 @@
 3. runs `meshrl run recipes/grpo_arith.py`: inference, rollout and trainer as separate processes joined
    by the data plane, synchronous GRPO for 100 steps, with a progress bar;
 4. prints the reward per step and greedy / sampled accuracy on held-out problems before and after.
+
+`meshrl demo vlm` does the same for a vision-language model on generated pictures (demo_vlm.py).
 """
 
 from __future__ import annotations
@@ -47,11 +49,29 @@ def warm_start(base: Path, out: Path, steps: int = SFT_STEPS, *, seed: int = 0, 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="meshrl demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=100, help="GRPO steps")
-    ap.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="supervised warm-start steps")
+    ap.add_argument("mode", nargs="?", choices=("arith", "vlm"), default="arith",
+                    help="arith: a tiny model learns addition; vlm: a tiny vision-language model learns "
+                    "to name the colour of the largest shape in a picture")  # fmt: skip
+    ap.add_argument("--steps", type=int, help="GRPO steps (arith: 100, vlm: 120)")
+    ap.add_argument("--sft-steps", type=int, help="supervised warm-start steps (arith: 52, vlm: 60)")
     ap.add_argument("--root", default="runs", help="where models and the run directory go")
-    ap.add_argument("--recipe", default="recipes/grpo_arith.py")
+    ap.add_argument("--recipe", help="arith: recipes/grpo_arith.py, vlm: recipes/grpo_vlm.py")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="vlm: the model's, the warm start's and the run's seed"
+    )
+    ap.add_argument("--json", action="store_true", help="vlm: progress on stderr, one JSON object on stdout")
     args = ap.parse_args(argv)
+    if args.mode == "vlm":
+        from meshrl.commands import demo_vlm
+
+        args.steps = demo_vlm.STEPS if args.steps is None else args.steps
+        args.sft_steps = demo_vlm.SFT_STEPS if args.sft_steps is None else args.sft_steps
+        return demo_vlm.main(args)
+    if args.json or args.seed:
+        ap.error("--json and --seed are the vlm mode's")
+    args.steps = 100 if args.steps is None else args.steps
+    args.sft_steps = SFT_STEPS if args.sft_steps is None else args.sft_steps
+    args.recipe = args.recipe or "recipes/grpo_arith.py"
     root = Path(args.root)
     base, sft, run_dir = root / "arith-base", root / "arith-sft", root / "grpo_arith"
     if not Path(args.recipe).exists():

@@ -105,7 +105,14 @@ def evaluate(rollout: Any, inference: Any, recipe: Any) -> dict[str, Any]:
             for i in range(len(rows)) for k in range(1 + rollout.eval_samples)]  # fmt: skip
     completions = generate(engine, inference, recipe, prompts, meta)
     gen_s = time.perf_counter() - t0
-    batch = Batch(EVAL, "eval", 0, np.arange(len(meta)), [*meta], {RESPONSE: Ragged.from_list(completions, dtype=torch.int64)})
+    batch = Batch(
+        EVAL,
+        "eval",
+        0,
+        np.arange(len(meta)),
+        [*meta],
+        {RESPONSE: Ragged.from_list(completions, dtype=torch.int64)},
+    )
     workers = reward_functions.Workers(rollout.reward_threads, rollout.reward_timeout_s)
     rewards = Rewards(tokenizer, reward_functions.load(rollout.functions), rollout.prompt_field, workers)
     try:

@@ -4,7 +4,9 @@
         optim.lr=1e-5 memory.precision=bf16-mixed lora.rank=16
 
 Rows hold OpenAI-style `messages` (and optional `tools`, handed to the chat template), or a `prompt` and
-a `completion`; the loss is the mean negative log-likelihood of the assistant messages' (the
+a `completion`; a vision-language model's rows may hold images (image parts in the messages, or an
+`images` field for their `{"type": "image"}` placeholders: the model's processor encodes them, and the
+vision tower stays frozen unless --train-vision); the loss is the mean negative log-likelihood of the assistant messages' (the
 completion's) tokens alone (`chat_data.py`: the row formats and how the mask is found). Training is
 the RL trainer's engine with a supervised objective (meshrl/engines/supervised.py), set up by the
 trainer's own sections, `optim`, `memory` and `lora`, as `section.field=value` (`sft_config.py`: the
@@ -122,16 +124,34 @@ class Data:
 
 
 def load_data(config: SftConfig, tokenizer: Any, model_config: Any) -> Data:
-    """The rows encoded and cut at --max-len (or the model's positions, when fewer), split."""
-    positions = getattr(model_config, "max_position_embeddings", None)
+    """The rows encoded and cut at --max-len (or the model's positions, when fewer), split. Rows with
+    images are encoded by a vision-language model's processor."""
+    text_config = getattr(model_config, "text_config", None) or model_config
+    positions = getattr(text_config, "max_position_embeddings", None)
     max_len = min(config.max_len, positions) if positions else config.max_len
-    examples = [encode(tokenizer, row, max_len) for row in read_rows(config.data)]
+    processor = image_processor(config.model, model_config)
+    examples = [
+        encode(tokenizer, row, max_len, processor=processor, max_pixels=config.max_pixels)
+        for row in read_rows(config.data)
+    ]
     kept = [e for e in examples if sum(e.mask[1:]) > 0]
     if not kept:
         raise DataError(f"{config.data}: no row keeps an assistant token within {max_len} tokens")
     train, held_out = split(kept, config.eval_fraction, config.seed)
     truncated = sum(e.truncated for e in examples)
     return Data(train, held_out, len(examples), truncated, len(examples) - len(kept), max_len)
+
+
+def image_processor(model: str, model_config: Any) -> Any:
+    """A vision-language model's processor (None for a text model)."""
+    if getattr(model_config, "vision_config", None) is None:
+        return None
+    from meshrl.models import vision
+
+    problem = vision.check_model(model) if Path(model).is_dir() else None
+    if problem is not None:
+        raise SettingsError([f"--model {problem}"])
+    return vision.load_processor(model)
 
 
 def engine_settings(config: SftConfig, steps: int, gpu: bool) -> SftSettings:
@@ -154,7 +174,7 @@ def build_engine(config: SftConfig, steps: int, device: Any) -> Any:
     settings = engine_settings(config, steps, torch.device(device).type == "cuda")
     return SupervisedEngine(
         config.model, settings.optim, device=device, memory=settings.memory, lora=settings.lora,
-        total_steps=steps, seed=config.seed,
+        total_steps=steps, seed=config.seed, train_vision=config.train_vision,
     )  # fmt: skip
 
 

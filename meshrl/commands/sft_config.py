@@ -45,6 +45,9 @@ OLD_FLAGS = {
 SWITCHES = ("--activation-checkpointing",)
 """Old flags that took no value."""
 
+MAX_PIXELS = 1024 * 1024
+"""--max-pixels' default: meshrl/models/vision.py's DEFAULT_MAX_PIXELS (not imported: it imports torch)."""
+
 
 class SettingsError(ValueError):
     """Arguments that cannot work: every problem, each naming its flag or field."""
@@ -98,6 +101,11 @@ class SftConfig(Config):
     """Seed of the split, the batches' order and the engine."""
     threads: int | None = None
     """CPU threads of torch (None: torch's default)."""
+    max_pixels: int = MAX_PIXELS
+    """Rows with images (a vision-language model): an image with more pixels (width x height, as
+    decoded) is an error naming its row."""
+    train_vision: bool = False
+    """A vision-language model's vision tower trains too (by default it is frozen, as in a run)."""
     settings: SftSettings = SftSettings()
     """The trainer's sections."""
     given: frozenset[str] = frozenset()
@@ -111,6 +119,7 @@ class SftConfig(Config):
             ("max-len", self.max_len < 2, "must be >= 2"),
             ("eval-fraction", not 0 <= self.eval_fraction < 1, "must be in [0, 1)"),
             ("eval-every", self.eval_every is not None and self.eval_every < 1, "must be >= 1"),
+            ("max-pixels", self.max_pixels < 1, "must be >= 1"),
         ):
             if bad:
                 yield f"--{name}: {why}"
@@ -141,6 +150,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-every", type=int, help="held-out loss every N steps (default: 10 times a run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="CPU threads of torch")
+    ap.add_argument("--max-pixels", type=int, default=MAX_PIXELS,
+                    help="largest image (width x height) of a row with images")  # fmt: skip
+    ap.add_argument("--train-vision", action="store_true",
+                    help="a vision-language model's vision tower trains too (frozen by default)")  # fmt: skip
     ap.add_argument("settings", nargs="*", metavar="section.field=value", help="e.g. optim.lr=3e-3")
     return ap
 

@@ -126,7 +126,7 @@ def decode(image: Any, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
     if pil.width * pil.height > max_pixels:
         raise ValueError(
             f"{where}: an image of {pil.width}x{pil.height} pixels is over the limit of {max_pixels} "
-            "(rollout.max_pixels)"
+            "(max_pixels: rollout.max_pixels in a run, --max-pixels in meshrl sft)"
         )
     return pil.convert("RGB")
 

@@ -324,3 +324,14 @@ def test_a_program_s_pictures_go_through_the_openai_endpoint_with_its_calls(vlm,
     assert t.images == [first, second] and t.image_segments == [2] and t.splits == 0  # the second call joined
     image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
     assert t.ids.count(image_id) == 2 * processor.image_seq_len
+
+
+def test_a_row_s_images_field_fills_its_placeholders_in_the_order_they_appear(vlm, processor):
+    red, blue = square(COLOURS[0]), square(COLOURS[2])
+    both = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"},
+                                         {"type": "image_url", "image_url": {"url": data_url(blue)}}]}]  # fmt: skip
+    got = encode(processor, cfg(vlm), {"prompt": both, "images": [red]})
+    alone = [encode(processor, cfg(vlm), {"prompt": question(data_url(c))}).images for c in (red, blue)]
+    assert got.images is not None and torch.equal(got.images.pixels, torch.cat([a.pixels for a in alone]))
+    with pytest.raises(ValueError, match="row 4: 1 of the row's 2 image"):
+        encode(processor, cfg(vlm), {"prompt": both, "images": [red, blue], "_line": 4})

@@ -51,6 +51,7 @@ BUILTIN_TASKS = {
     "arith": "meshrl.tasks.arith",
     "agent_calc": "meshrl.tasks.agent_calc",
     "guess": "meshrl.tasks.guess",
+    "shapes": "meshrl.tasks.shapes",
 }
 
 
