@@ -88,6 +88,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny vision-language model (Idefics3 over the character tokenizer) and its processor."""
+    from meshrl.models.tiny import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "vlm")
+
+
+@pytest.fixture(scope="session")
+def processor(vlm: Path) -> Any:
+    """The tiny vision-language model's processor."""
+    from meshrl.models import vision
+
+    return vision.load_processor(str(vlm))
+
+
+@pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init mixture of experts of the tiny model's size (Qwen3-MoE: 4 experts, 2 per token)."""
     from meshrl.models.tiny import build_tiny_model

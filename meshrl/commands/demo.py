@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 SFT_STEPS = 52
 SFT_ARGS = ("--batch", "40", "--eval-fraction", "0", "memory.micro_batch=40", "optim.lr=3e-3",
@@ -95,17 +96,22 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "meshrl.cli", "run", args.recipe, f"*.model={sft}", f"run_dir={run_dir}",
            f"total_steps={args.steps}"]  # fmt: skip
     print(f"[demo] {' '.join(cmd[2:])}", flush=True)
-    proc = subprocess.Popen(cmd)
-    while True:
-        try:
-            code = proc.wait()
-            break
-        except KeyboardInterrupt:  # Ctrl-C reaches the run too: it stops every service and says so
-            continue
+    code = run_to_end(cmd)
     if code != 0:
         return code
     report(run_dir)
     return 0
+
+
+def run_to_end(cmd: list[str], stdout: Any = None) -> int:
+    """Run `cmd` (a `meshrl run`) to its end and return its exit code; Ctrl-C reaches the run too, which
+    stops every service and says so, so the demo waits for it rather than leaving it behind."""
+    proc = subprocess.Popen(cmd, stdout=stdout)
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
 
 
 def report(run_dir: Path) -> None:

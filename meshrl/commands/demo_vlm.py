@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshrl.commands.demo import run_to_end
+
 SFT_STEPS = 60
 SFT_BATCH = 32
 SFT_ARGS = ("--eval-fraction", "0", "memory.micro_batch=32", "optim.lr=3e-3", "optim.warmup_steps=2",
@@ -116,13 +118,7 @@ def main(args: Any) -> int:
            f"total_steps={args.steps}", f"seed={seed}"]  # fmt: skip
     print(f"[demo] {' '.join(cmd[2:])}", file=log, flush=True)
     t_run = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log)
-    while True:
-        try:
-            code = proc.wait()
-            break
-        except KeyboardInterrupt:  # Ctrl-C reaches the run too: it stops every service and says so
-            continue
+    code = run_to_end(cmd, stdout=log)
     if code != 0:
         return code
     run_s = time.perf_counter() - t_run

@@ -18,18 +18,6 @@ from meshrl.tasks import shapes
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from meshrl.models.tiny import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "vlm")
-
-
-@pytest.fixture(scope="module")
-def processor(vlm: Path):
-    return vision.load_processor(str(vlm))
-
-
-@pytest.fixture(scope="module")
 def rows() -> list[dict]:
     return shapes.generate(48, seed=5)
 

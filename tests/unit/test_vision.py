@@ -31,18 +31,6 @@ from meshrl.roles.rollout.data import encode
 COLOURS = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (230, 220, 30)]
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from meshrl.models.tiny import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "vlm")
-
-
-@pytest.fixture(scope="module")
-def processor(vlm: Path):
-    return vision.load_processor(str(vlm))
-
-
 def square(colour: tuple[int, int, int], size: int = 32) -> Image.Image:
     image = Image.new("RGB", (size, size), (255, 255, 255))
     image.paste(colour, (size // 4, size // 4, 3 * size // 4, 3 * size // 4))
