@@ -53,15 +53,15 @@ class Evaluation:
         cfg: RolloutConfig,
         state: RolloutState,
         rows: list[dict[str, Any]],
-        encode: Callable[[dict[str, Any], int], Prompt],
+        prompts: list[Prompt],
         rewards: Callable[[Batch, list[dict[str, Any]]], Awaitable[Scored]],
         sink: JsonlSink,
         claim: Claim,
         no_images: Images | None = None,
     ) -> None:
-        """Puts `rows` into the evaluation partition and collects them back through `claim` (with their
-        images, `no_images` standing for none, for a vision-language model)."""
-        self.cfg, self.state, self.rows, self.encode, self.rewards = cfg, state, rows, encode, rewards
+        """Puts `rows` (whose prompts are `prompts`) into the evaluation partition and collects them back
+        through `claim` (with their images, `no_images` standing for none, for a vision-language model)."""
+        self.cfg, self.state, self.rows, self.prompts, self.rewards = cfg, state, rows, prompts, rewards
         self.no_images = no_images
         self.claim = claim
         self.sink, self.path = sink, sink.path
@@ -81,8 +81,7 @@ class Evaluation:
         """The held-out prompts for `version`: one greedy and `eval_samples` sampled rows each."""
         prompts: list[Prompt] = []
         meta: list[Meta] = []
-        for index, row in enumerate(self.rows):
-            tokens = self.encode(row, index)
+        for index, tokens in enumerate(self.prompts):
             for k in range(1 + self.cfg.eval_samples):
                 prompts.append(tokens)
                 meta.append({EVAL_VERSION: version, GREEDY: k == 0, PROMPT_ID: index, MEMBER: k,

@@ -74,7 +74,7 @@ class RolloutService(Service):
         if unusable:
             self.log.warning("%d of the first prompts cannot be encoded and will be skipped; the first: %s",
                              len(unusable), "; ".join(unusable[:5]))  # fmt: skip
-        eval_rows = self.encodable(eval_rows, encoded)
+        eval_rows, eval_prompts = self.encodable(eval_rows, encoded)
         workers = reward_functions.Workers(cfg.reward_threads, cfg.reward_timeout_s)
         self.rewards = rewards = Rewards(
             tokenizer, reward_functions.load(cfg.functions), cfg.prompt_field, workers
@@ -95,7 +95,7 @@ class RolloutService(Service):
             cfg,
             self.state,
             eval_rows,
-            encoded,
+            eval_prompts,
             rewards,
             self.sink("eval.jsonl", predecessor),
             wiring.claim("evaluate"),
@@ -111,17 +111,17 @@ class RolloutService(Service):
 
     def encodable(
         self, rows: list[dict[str, Any]], encoded: Callable[[dict[str, Any], int], Prompt]
-    ) -> list[dict[str, Any]]:
-        """The held-out rows whose prompts encode (each evaluation puts them all); the others are left
-        out of the evaluation, with the reason."""
-        keep = []
+    ) -> tuple[list[dict[str, Any]], list[Prompt]]:
+        """The held-out rows whose prompts encode, and their prompts (encoded once: every evaluation puts
+        them all); the others are left out of the evaluation, with the reason."""
+        keep, prompts = [], []
         for i, row in enumerate(rows):
             try:
-                encoded(row, i)
+                prompts.append(encoded(row, i))
                 keep.append(row)
             except ValueError as e:
                 self.log.warning("held-out row left out of the evaluation: %s", e)
-        return keep
+        return keep, prompts
 
     def fresh(self) -> RolloutState:
         return RolloutState(group_seq=self.ctx.replica.index * 10**12, kl_coef=self.config.kl_penalty.coef)
