@@ -17,7 +17,7 @@ from meshrl.algorithms.chunked import head_is_linear
 from meshrl.engines import checkpoints
 from meshrl.engines.lora import add_adapters
 from meshrl.engines.settings import LoraConfig, MemoryConfig
-from meshrl.models.vision import VISION_MODULES, load_model, vision_tower
+from meshrl.models.vision import VISION_MODULES, is_vision, load_model, vision_tower
 
 
 @dataclass
@@ -56,7 +56,7 @@ def build(
     if tower is not None and not train_vision:
         tower.requires_grad_(False)
     logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
-    if head == "lm+value":
+    if head == "lm+value" or (head == "value" and tower is not None):
         model.value_head = checkpoints.value_head(model, model_path)
     model.to(device)
     linear = head != "value" and logits_to_keep and head_is_linear(model, device)
@@ -77,7 +77,7 @@ def build(
         shard = functools.partial(fully_shard, mesh=mesh, **mixed_precision(compute_dtype))
         for layer in decoder_layers(model):
             shard(layer)
-        if head == "lm+value":  # called outside the model's forward: its own unit
+        if hasattr(model, "value_head"):  # called outside the model's forward: its own unit
             shard(model.value_head)
         shard(model)
     return Built(model, config, logits_to_keep, linear)
@@ -104,11 +104,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def load(model_path: str, head: str, loader_kwargs: dict[str, Any] | None) -> Any:
     """The HF model of `head`, in float32 whatever its checkpoint's dtype (the master weights: updates
-    in bf16 round small steps away; a critic's loader_kwargs may still choose), without a KV cache."""
+    in bf16 round small steps away; a critic's loader_kwargs may still choose), without a KV cache.
+    A vision-language critic is the model itself (transformers has no token classifier of those
+    families): `build` adds a linear value head on its last hidden state, as the actor-critic's."""
     from transformers import AutoModelForTokenClassification
 
     kwargs = {"dtype": torch.float32, **(loader_kwargs or {})}
-    if head == "value":
+    if head == "value" and not is_vision(model_path):
         model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
     else:
         model = load_model(model_path, **kwargs)

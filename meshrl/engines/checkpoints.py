@@ -83,11 +83,12 @@ def write_pretrained(
         k.removeprefix("value_head."): state.pop(k) for k in list(state) if k.startswith("value_head.")
     }
     vision = getattr(hf_config, "vision_config", None) is not None
+    # a vision-language critic is the model with a value head beside it (`building.load`)
     auto = (
-        AutoModelForTokenClassification
-        if critic
-        else AutoModelForImageTextToText
+        AutoModelForImageTextToText
         if vision
+        else AutoModelForTokenClassification
+        if critic
         else AutoModelForCausalLM
     )
     with torch.device("meta"):

@@ -281,7 +281,7 @@ class FSDPEngine:
         """Values [n, L-1]: position t is the value of the state that predicts token t+1."""
         ids = mb.input_ids.to(self.device)
         with self._autocast():
-            if self.head == "lm+value":  # the last hidden state; of the logits only one position
+            if hasattr(self.model, "value_head"):  # the last hidden state; of the logits only one position
                 few = {"logits_to_keep": 1} if self._logits_to_keep else {}
                 out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
                 return self._head_values(out.hidden_states[-1][:, :-1])

@@ -102,3 +102,42 @@ def test_an_agent_s_pictures_reach_inference_and_the_trainer_turn_after_turn(tmp
     assert metrics[0]["agent/turns_mean"] >= 1.5  # most trajectories hold two pictures, one per turn
     # every turn was generated from its pictures, and the trainer scores the whole trajectory with them
     assert metrics[0]["kl_behaviour"] < 1e-6
+
+
+def test_a_critic_of_a_vision_language_model_reads_the_pixels_and_its_folder_loads_again(
+    tmp_path, vlm, dataset
+):
+    """PPO with a separate critic: the critic is the model with a value head on its last hidden state
+    (transformers has no token classifier of the family), reads the prompts' pixels as the trainer does,
+    learns, and saves the model and its value head, which a critic loads again."""
+    from meshrl.engines.packing import pack
+    from meshrl.engines.settings import OptimConfig
+    from meshrl.engines.value import ValueEngine
+    from meshrl.models import vision
+
+    run_dir = tmp_path / "run"
+    done = run(
+        tmp_path, f"*.model={vlm}", f"rollout.dataset={dataset}", f"run_dir={run_dir}", "total_steps=2",
+        "prompts_per_step=4", "group_size=2", "critic.mini_batches=1", "rollout.eval_every=0",
+        "inference.max_new_tokens=6", 'rollout.rewards={"tests.integration.test_vlm:reward": 1.0}',
+        "critic.optim.lr=1e-2", recipe=str(REPO / "recipes" / "ppo_arith.py"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    critic = rows(run_dir / "critic.jsonl")
+    assert [c["version"] for c in critic] == [1, 2] and all(c["value_loss"] > 0 for c in critic)
+    saved = run_dir / "critic"
+    assert (saved / "value_head.safetensors").exists() and vision.is_vision(str(saved))
+
+    processor = vision.load_processor(str(saved))
+    ids, images = vision.encode(
+        processor, *vision.split_messages(question(data_url(square(COLOURS[1]))), "", 10**6), ""
+    )
+    blank = vision.Images(torch.zeros_like(images.pixels) + 1, images.mask)  # all zeros: padding to Idefics3
+    values = {}
+    for name, pixels in (("seen", images), ("blank", blank)):
+        engine = ValueEngine(str(saved), OptimConfig(), device=torch.device("cpu"), head="value")
+        batch = pack([ids], [torch.tensor([5, 6])], None, torch.zeros(1), torch.ones(1, dtype=torch.bool),
+                     images=[pixels])  # fmt: skip
+        values[name] = engine.compute_values(batch, 4)[batch.mask]
+    assert values["seen"].abs().max() > 0  # the trained head, not a fresh zero one
+    assert not torch.allclose(values["seen"], values["blank"])  # it reads the picture

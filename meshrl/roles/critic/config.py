@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from meshrl.engines.settings import MemoryConfig, OptimConfig
 from meshrl.models.hub import missing
-from meshrl.models.vision import is_vision
+from meshrl.models.vision import disagreement
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
-from meshrl.schema import PROMPT, RESPONSE, RETURNS, SAMPLES, SEGMENTS, VALID, VALUES
+from meshrl.schema import IMAGE_MASK, IMAGES, PROMPT, RESPONSE, RETURNS, SAMPLES, SEGMENTS, VALID, VALUES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import RunSettings, ServiceGroup
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 VALUES_CONSUMER = "critic-values"
 TRAIN_CONSUMER = "critic"
+IMAGE_COLUMNS = (IMAGES, IMAGE_MASK)
+"""A vision-language model's prompts' pixels: its critic reads them too."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +34,9 @@ class CriticConfig(ServiceConfig):
     rejoins = True  # a restarted critic goes on from its progress, with the latest checkpoint's weights
 
     model: str
-    """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic."""
+    """Initial weights: a causal LM (usually the policy; the value head starts fresh) or a saved critic.
+    A vision-language model's critic is the model with a linear value head on its last hidden state
+    (its vision tower frozen), saved as the model plus `value_head.safetensors`."""
     loader_kwargs: dict[str, Any] = field(default_factory=dict)
     optim: OptimConfig = OptimConfig()
     """AdamW and its learning-rate schedule."""
@@ -61,14 +65,20 @@ class CriticConfig(ServiceConfig):
     def reads(self) -> tuple[Read, ...]:
         return (
             # an agent's samples come in segments (meshrl/envs/trajectory.py)
-            Read("values", SAMPLES, (PROMPT, RESPONSE), consumer=VALUES_CONSUMER, optional=(SEGMENTS,)),
+            Read(
+                "values",
+                SAMPLES,
+                (PROMPT, RESPONSE),
+                consumer=VALUES_CONSUMER,
+                optional=(SEGMENTS, *IMAGE_COLUMNS),
+            ),
             Read(
                 "train",
                 SAMPLES,
                 (PROMPT, RESPONSE, VALUES, RETURNS, VALID),
                 consumer=TRAIN_CONSUMER,
                 retains=True,
-                optional=(SEGMENTS,),
+                optional=(SEGMENTS, *IMAGE_COLUMNS),
             ),
         )
 
@@ -79,11 +89,8 @@ class CriticConfig(ServiceConfig):
         problems = []
         if not Path(self.model).exists():
             problems.append(missing(self.model))
-        elif is_vision(self.model):
-            problems.append(
-                f"model: {self.model} is a vision-language model; a critic of one is not supported yet: use "
-                "GRPO-style advantages, or PPO with the policy's own value head (trainer.value.head)"
-            )
+        elif why := disagreement(self.model, wiring.claim("values").columns):
+            problems.append(why)
         if group.replicas != 1 or group.devices_per_replica > 1:
             problems.append("replicas/devices_per_replica: the critic runs as one replica on one device")
         if run.batch_size % self.mini_batches:

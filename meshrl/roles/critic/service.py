@@ -36,6 +36,7 @@ from meshrl.dataplane import AsyncClient, Batch, Ragged
 from meshrl.dataplane.missing import put_missing_async
 from meshrl.engines.packing import pack
 from meshrl.engines.value import ValueEngine
+from meshrl.models import vision
 from meshrl.observe.metrics import JsonlSink, merged
 from meshrl.roles.critic.config import CriticConfig
 from meshrl.runtime.service import WATCH_S, Service
@@ -197,7 +198,7 @@ class CriticService(Service):
         segments = Ragged.from_list([batch.ragged(SEGMENTS)[i] for i in rows]) if SEGMENTS in batch else None
         packed = pack(
             prompts, responses, None, torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool),
-            segments=segments,
+            segments=segments, images=vision.from_batch(batch, rows),
         )  # fmt: skip
         v = self.engine.compute_values(packed, self.config.memory.micro_batch)
         return {VALUES: [v[k][packed.mask[k]] for k in range(len(rows))]}
@@ -222,6 +223,7 @@ class CriticService(Service):
         packed = pack(
             pick(PROMPT), pick(RESPONSE), None, torch.zeros(len(index)), valid,
             values=pick(VALUES), returns=pick(RETURNS), segments=pick(SEGMENTS) if SEGMENTS in batch else None,
+            images=vision.from_batch(batch, index),
         )  # fmt: skip
         assert packed.values is not None and packed.returns is not None
         m = packed.mask
