@@ -5,7 +5,7 @@ planner wires a run from what each config declares it reads and writes (`meshrl/
 these are the names those declarations use:
 
     samples   one row per completion
-              rollout      PROMPT (and IMAGES, IMAGE_MASK for a vision-language model); then REWARD, ADVANTAGE, VALID (+ RETURNS for GAE from a critic;
+              rollout      PROMPT (and IMAGES, IMAGE_MASK, PICTURES for a vision-language model); then REWARD, ADVANTAGE, VALID (+ RETURNS for GAE from a critic;
                            TOKEN_REWARDS instead of ADVANTAGE with the trainer's value head)
               inference    RESPONSE, LOGPROBS, VERSION, GEN_S, GEN_BATCH
               reference    REF_LOGPROBS          reward model  RM_SCORE
@@ -66,6 +66,9 @@ IMAGES = "images"
 (n_images may be 0), written once by the service that encoded the prompt (meshrl/models/vision.py)."""
 IMAGE_MASK = "image_mask"
 """Per row, the images' pixel masks [n_images, H, W] (False: padding the processor added)."""
+PICTURES = "pictures"
+"""Per row, the decoded pictures the IMAGES were made from, as raw RGB bytes (uint8, `vision.pack_pictures`):
+for an engine that runs its own image processing (vLLM)."""
 REF_LOGPROBS = "ref_logprobs"
 RM_SCORE = "rm_score"
 VALUES = "values"

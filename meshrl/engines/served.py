@@ -25,25 +25,33 @@ class ModelFacts:
     """(name, shape, dtype) of every parameter, as the trainer names them (`InferenceEngine.parameters`)."""
     max_positions: int = 0
     """The longest sequence the model takes (its config's max_position_embeddings; 0: not given)."""
+    placeholders: tuple[int, ...] = ()
+    """A vision-language model's image placeholder token: not text, so a completion that samples it
+    ends before it (as the hf engine's do: a forward then finds exactly its prompt's images' tokens)."""
 
     @classmethod
     def of(cls, model_path: str) -> ModelFacts:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         if not Path(model_path).is_dir():
             raise FileNotFoundError(f"model path {model_path!r} is not a directory")
         config = AutoConfig.from_pretrained(model_path)
+        vision = getattr(config, "vision_config", None) is not None  # as meshrl.models.vision.is_vision
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config)
+        text = config.get_text_config()
         listing = [
             (n, tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in model.named_parameters()
         ]
         return cls(
-            vocab_size=int(config.vocab_size),
+            vocab_size=int(text.vocab_size),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             eos=_eos_ids(model_path, config),
             listing=listing,
-            max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+            max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
+            placeholders=(image,)
+            if isinstance(image := getattr(config, "image_token_id", None), int)
+            else (),
         )
 
     def checked(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

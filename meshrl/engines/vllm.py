@@ -13,7 +13,8 @@ inference config refuses the combination).
 Weight updates from the trainer go straight into vLLM's workers (`weight_member`,
 `meshrl.engines.vllm_worker`): each worker joins the trainer's weight group (NCCL on GPU, gloo on CPU)
 or maps its shared memory (one host), and feeds the buckets to vLLM's in-place reload as they arrive;
-then `reset_prefix_cache()` (cached prefixes hold KV of the old weights). Tensors handed to
+then the caches of what the old weights computed are dropped (`_forget`: prefixes' KV, and a
+vision-language model's image embeddings). Tensors handed to
 `load_weights` directly are buffered, then, once every part of a version is in (`set_version`),
 written as one safetensors file that the workers reload (`reload_weights(weights_path=...)`).
 
@@ -56,6 +57,7 @@ from meshrl.engines.base import (
     dtype_name,
 )
 from meshrl.engines.served import ModelFacts, request_seeds
+from meshrl.models import vision
 
 INSTALL = settings.INSTALL["vllm"]
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
@@ -88,6 +90,10 @@ class VLLMEngine(InferenceEngine):
         if not available():
             raise ImportError(f"the vLLM engine needs vLLM: {INSTALL}")
         self.facts = ModelFacts.of(model_path)
+        # a vision-language model's prompts hold their images' expansions, which vLLM makes itself
+        self.placeholders = (
+            vision.Placeholders(vision.load_processor(model_path)) if vision.is_vision(model_path) else None
+        )
         self.model_path = model_path
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="meshrl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +138,8 @@ class VLLMEngine(InferenceEngine):
         self._eos = self.facts.eos
         self.llm = LLM(
             model=model_path,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=self.placeholders
+            is None,  # vLLM's image processing needs the processor's tokenizer
             enforce_eager=True,
             dtype=dtype_name(loader_kwargs, "float32"),
             max_model_len=max_model_len,
@@ -182,8 +189,7 @@ class VLLMEngine(InferenceEngine):
         if self._staged:
             from safetensors.torch import save_file
 
-            path = self.work_dir / "weights"
-            path.mkdir(exist_ok=True)
+            path = self._weights_dir()
             save_file(dict(self._staged), str(path / "model.safetensors"))
             self._staged = []
             with self.rpc:
@@ -191,8 +197,31 @@ class VLLMEngine(InferenceEngine):
                 self.llm.collective_rpc("meshrl_repack_experts")
                 if self.tied:
                     self.llm.collective_rpc("meshrl_retie")
-                self.llm.reset_prefix_cache()
+                self._forget()
         super().set_version(version)
+
+    def _forget(self) -> None:
+        """Drop what the previous weights computed, under `rpc`: cached prefixes' KV, and a vision-language
+        model's cached image embeddings (its vision tower may have changed; vLLM would otherwise reuse
+        them for a picture it has seen, and after an in-place reload its bookkeeping of them is stale)."""
+        self.llm.reset_prefix_cache()
+        if self.placeholders is not None:
+            self.engine.reset_encoder_cache()
+
+    def _weights_dir(self) -> Path:
+        """Where a version's weights are written for the workers to reload: a model folder of its own,
+        the model's other files (config, tokenizer, processor) linked in, since vLLM takes the folder
+        it reloaded from as the model's from then on (its processor, for a vision-language model, is
+        loaded from there)."""
+        path = self.work_dir / "weights"
+        if not path.exists():
+            path.mkdir()
+            for f in Path(self.model_path).iterdir():
+                if f.is_file() and not f.name.endswith(
+                    (".safetensors", ".bin", ".safetensors.index.json", ".pt")
+                ):
+                    (path / f.name).symlink_to(f.resolve())
+        return path
 
     def _load_adapter(self) -> None:
         """The staged adapter matrices as a PEFT adapter that vLLM loads in place of the previous one."""
@@ -214,7 +243,7 @@ class VLLMEngine(InferenceEngine):
         self._staged = []
         with self.rpc:
             self.engine.add_lora(LoRARequest("policy", POLICY_LORA_ID, str(path), load_inplace=True))
-            self.llm.reset_prefix_cache()  # cached prefixes hold KV computed with the previous adapter
+            self._forget()
         self.lora_request = LoRARequest("policy", POLICY_LORA_ID, str(path))
 
     # -- generation --------------------------------------------------------------------------------
@@ -228,7 +257,7 @@ class VLLMEngine(InferenceEngine):
             top_k=params.top_k if params.top_k > 0 else -1,
             top_p=params.top_p,
             max_tokens=max_tokens,
-            stop_token_ids=[*self._eos, *params.stop_token_ids],
+            stop_token_ids=[*self._eos, *params.stop_token_ids, *self.facts.placeholders],
             ignore_eos=False,
             logprobs=0,
             seed=seed,
@@ -245,22 +274,21 @@ class VLLMEngine(InferenceEngine):
         seeds: list[int] | None = None,
         images: list[Any] | None = None,
     ) -> list[Completion]:
-        if images is not None and any(i is not None for i in images):
-            raise ValueError(
-                "the vLLM engine does not take images yet: use the hf engine for a vision-language model"
-            )
         check_token_ids(prompts, self.vocab_size, "prompts")
+        requests = self._requests(prompts, images)
         ids: dict[str, int] = {}
         per_request = request_seeds(len(prompts), params.seed, seeds)
-        for i, (prompt, seed) in enumerate(zip(prompts, per_request, strict=True)):
+        for i, (request, seed) in enumerate(zip(requests, per_request, strict=True)):
             rid = f"r{self._next_id}"
             self._next_id += 1
             ids[rid] = i
             with self.rpc:
                 self.engine.add_request(
-                    rid, {"prompt_token_ids": list(prompt)}, self._params(params, seed, params.max_new_tokens),
+                    rid,
+                    request,
+                    self._params(params, seed, params.max_new_tokens),
                     lora_request=self.lora_request,
-                )  # fmt: skip
+                )
         out: list[Completion | None] = [None] * len(prompts)
         latest: dict[str, Any] = {}
         while self.engine.has_unfinished_requests():
@@ -269,19 +297,47 @@ class VLLMEngine(InferenceEngine):
                 with self.rpc:
                     self.engine.abort_request(left)
                 for rid in left:
-                    out[ids[rid]] = _completion(latest.get(rid), FINISH_INTERRUPTED)
+                    out[ids[rid]] = _completion(latest.get(rid), FINISH_INTERRUPTED, self.facts.placeholders)
                 break
             with self.rpc:
                 results = self.engine.step()
             for result in results:
                 latest[result.request_id] = result
                 if result.finished and result.request_id in ids:
-                    out[ids[result.request_id]] = _completion(result, None)
+                    out[ids[result.request_id]] = _completion(result, None, self.facts.placeholders)
         return [c if c is not None else Completion([], [], FINISH_INTERRUPTED) for c in out]
+
+    def _requests(
+        self, prompts: list[list[int]], images: list[vision.Images | None] | None
+    ) -> list[dict[str, Any]]:
+        """vLLM's inputs for `prompts`: the token ids, and a vision-language model's pictures as its
+        multimodal data. vLLM runs the model's processor on the pictures, which makes the pixels the
+        rows' IMAGES hold, and expands each image's placeholder as the prompt holds it: it is given the
+        prompt with the expansions collapsed, and its prompt is then token for token ours (tested)."""
+        out: list[dict[str, Any]] = []
+        for i, prompt in enumerate(prompts):
+            row = images[i] if images is not None else None
+            if row is None or not len(row):
+                out.append({"prompt_token_ids": list(prompt)})
+                continue
+            if self.placeholders is None:
+                raise ValueError(f"{self.model_path} is a text model: it takes no images")
+            if len(row.pictures) != len(row):
+                raise ValueError(
+                    "the vLLM engine takes a row's pictures (the PICTURES column), not only its pixels"
+                )
+            compact = self.placeholders.collapse(list(prompt), row.pictures)
+            out.append({"prompt_token_ids": compact, "multi_modal_data": {"image": list(row.pictures)}})
+        return out
 
     @torch.inference_mode()
     def score(
-        self, sequences: list[list[int]], prompt_lens: list[int], *, temperature: float = 1.0
+        self,
+        sequences: list[list[int]],
+        prompt_lens: list[int],
+        *,
+        temperature: float = 1.0,
+        images: list[vision.Images | None] | None = None,
     ) -> list[list[float]]:
         from vllm import SamplingParams as VParams
 
@@ -291,7 +347,7 @@ class VLLMEngine(InferenceEngine):
                          prompt_logprobs=0, detokenize=False)  # fmt: skip
         with self.rpc:
             results = self.llm.generate(
-                [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False,
+                self._requests(sequences, images), params, use_tqdm=False,
                 lora_request=self.lora_request,
             )  # fmt: skip
         out = []
@@ -323,7 +379,7 @@ class _Member:
     def receive(self, header: dict[str, Any]) -> None:
         self.engine._call("meshrl_receive", header, self.engine.tied)
         with self.engine.rpc:
-            self.engine.llm.reset_prefix_cache()
+            self.engine._forget()
 
     def barrier(self) -> None:
         self.engine._call("meshrl_barrier")
@@ -332,7 +388,8 @@ class _Member:
         self.engine._call("meshrl_leave")
 
 
-def _completion(result: Any, reason: str | None) -> Completion:
+def _completion(result: Any, reason: str | None, placeholders: tuple[int, ...] = ()) -> Completion:
+    """`placeholders`: stop tokens left out of the completion (`ModelFacts.placeholders`)."""
     if result is None:
         return Completion([], [], reason or FINISH_INTERRUPTED)
     o = result.outputs[0]
@@ -340,4 +397,6 @@ def _completion(result: Any, reason: str | None) -> Completion:
     logprobs = [float(step[t].logprob) for step, t in zip(o.logprobs or [], tokens, strict=False)]
     if reason is None:
         reason = FINISH_STOP if o.finish_reason == "stop" else FINISH_LENGTH
+    if reason == FINISH_STOP and tokens and tokens[-1] in placeholders:
+        tokens = tokens[:-1]
     return Completion(tokens, logprobs[: len(tokens)], reason)

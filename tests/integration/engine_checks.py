@@ -61,9 +61,17 @@ class WeightLink:
 
 
 def check_versions(
-    engine, arith_model, publish, device: str = "cpu", tolerance: float = 1e-5, **trainer_kw
+    engine,
+    arith_model,
+    publish,
+    device: str = "cpu",
+    tolerance: float = 1e-5,
+    prompts=None,
+    images=None,
+    **trainer_kw,
 ) -> None:
-    """`trainer_kw`: the trainer engine's settings (precision, lora)."""
+    """`prompts` (token ids; random ones by default) and their `images` (a vision-language model's);
+    `trainer_kw`: the trainer engine's settings (precision, lora)."""
     from meshrl.engines.base import SamplingParams
     from meshrl.engines.fsdp import FSDPEngine
     from meshrl.engines.optim import OptimConfig
@@ -75,27 +83,33 @@ def check_versions(
         str(arith_model), OptimConfig(lr=3e-2), device=torch.device(device), memory=memory, **trainer_kw
     )
     g = torch.Generator().manual_seed(0)
-    prompts = [[int(t) for t in torch.randint(4, 16, (int(n),), generator=g)] for n in (3, 5, 2, 7, 4, 6)]
+    if prompts is None:
+        prompts = [[int(t) for t in torch.randint(4, 16, (int(n),), generator=g)] for n in (3, 5, 2, 7, 4, 6)]
     previous = None
     for version in range(4):
         if version:  # one real policy update, then publish it
             rows = [torch.tensor(p) for p in prompts]
             batch = pack(rows, [torch.tensor([5, 6, 7])] * len(rows), [torch.full((3,), -2.0)] * len(rows),
-                         torch.randn(len(rows), generator=g), torch.ones(len(rows), dtype=torch.bool))  # fmt: skip
+                         torch.randn(len(rows), generator=g), torch.ones(len(rows), dtype=torch.bool),
+                         images=images)  # fmt: skip
             trainer.update_policy(batch)
             publish(engine, version, trainer.manifest(), list(trainer.get_weights()))
         assert engine.version == version
-        out = engine.generate(prompts, SamplingParams(max_new_tokens=6), seeds=list(range(len(prompts))))
+        out = engine.generate(
+            prompts, SamplingParams(max_new_tokens=6), seeds=list(range(len(prompts))), images=images
+        )
         assert all(c.tokens and len(c.logprobs) == len(c.tokens) for c in out)
         packed = pack([torch.tensor(p) for p in prompts], [torch.tensor(c.tokens) for c in out], None,
-                      torch.zeros(len(out)), torch.ones(len(out), dtype=torch.bool))  # fmt: skip
+                      torch.zeros(len(out)), torch.ones(len(out), dtype=torch.bool), images=images)  # fmt: skip
         with torch.no_grad():
             lp, _ = trainer.forward_logprobs(packed, 1.0)
         mine = torch.cat([torch.tensor(c.logprobs) for c in out])
         theirs = lp[packed.mask]
         assert (mine - theirs.cpu()).abs().max() < tolerance, (version, (mine - theirs.cpu()).abs().max())
         # the update really reached vLLM: the same first tokens are now scored differently
-        first = torch.tensor(engine.score([p + out[0].tokens[:1] for p in prompts[:1]], [len(prompts[0])])[0])
+        first = torch.tensor(
+            engine.score([prompts[0] + out[0].tokens[:1]], [len(prompts[0])], images=images and images[:1])[0]
+        )
         if previous is not None:
             assert (first - previous).abs().max() > 1e-4
         previous = first

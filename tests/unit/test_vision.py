@@ -68,6 +68,37 @@ def test_a_row_s_images_become_placeholders_and_pixels_whatever_form_they_come_i
     assert int((as_url.ids == image_id).sum()) == processor.image_seq_len  # expanded as the processor does
 
 
+def test_pictures_travel_beside_the_pixels_and_prompts_collapse_to_one_placeholder_per_image(vlm, processor):
+    """What the vLLM engine takes (tested against vLLM itself in `make test-vllm`): a row's pictures as
+    they were decoded, exactly, and its prompt with each image's expansion back to one placeholder."""
+    big, small = square(COLOURS[0]), Image.new("RGB", (20, 12), COLOURS[2])
+    parts = [
+        {"type": "image"},
+        {"type": "text", "text": "and"},
+        {"type": "image"},
+        {"type": "text", "text": "?"},
+    ]
+    ids, images = vision.encode(processor, [{"role": "user", "content": parts}], [big, small], "row 3")
+    assert images is not None and [p.size for p in images.pictures] == [(32, 32), (20, 12)]
+    packed = vision.columns([images, None], vision.blank(processor))
+    assert set(packed) == {"images", "image_mask", "pictures"} and len(packed["pictures"][1]) == 0
+    back = vision.unpack_pictures(packed["pictures"][0])
+    assert [p.tobytes() for p in back] == [big.tobytes(), small.tobytes()]
+
+    placeholders = vision.Placeholders(processor)
+    compact = placeholders.collapse(ids.tolist(), images.pictures)
+    token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert compact.count(token) == 2 and len(compact) == len(ids) - sum(
+        len(placeholders.expansion(p)) - 1 for p in images.pictures
+    )
+    # the processor expands the compact prompt into ours again
+    text = processor.tokenizer.decode(compact)
+    again = processor(text=text, images=[images.pictures], add_special_tokens=False)["input_ids"][0]
+    assert list(again) == ids.tolist()
+    with pytest.raises(ValueError, match="does not hold the tokens of its image 2"):
+        placeholders.collapse(ids.tolist(), [big, small, small])
+
+
 def test_an_image_that_does_not_decode_or_is_too_large_or_meets_a_text_model_names_its_row(
     vlm, processor, tiny_model, tok
 ):
@@ -199,8 +230,10 @@ def test_a_recipe_whose_services_disagree_on_the_model_family_or_engine_is_refus
         "(it writes no images): give rollout the same model, whose processor encodes the prompts' images"
     ]
     with pytest.raises(RecipeError) as e:
-        prepare(grpo, [f"*.model={vlm}", "inference.engine=vllm"])
-    assert any("the vLLM engine does not take yet; use the hf engine" in p for p in e.value.problems)
+        prepare(grpo, [f"*.model={vlm}", "inference.engine=sglang"])
+    assert any(
+        "the SGLang engine does not take yet; use the hf or vllm engine" in p for p in e.value.problems
+    )
     prepare(grpo, [f"*.model={vlm}"])  # one family throughout: fine
 
 

@@ -22,6 +22,7 @@ from meshrl.schema import (
     GENERATED,
     IMAGE_MASK,
     IMAGES,
+    PICTURES,
     PROMPT,
     SAMPLES,
     TASKS,
@@ -153,7 +154,7 @@ class AgentsConfig(ServiceConfig):
 
     def writes(self) -> tuple[Write, ...]:
         so_far = TRAJECTORY_SO_FAR if self.kind == "environment" else ()
-        images = (IMAGES, IMAGE_MASK) if Path(self.model).exists() and is_vision(self.model) else ()
+        images = (IMAGES, IMAGE_MASK, PICTURES) if Path(self.model).exists() and is_vision(self.model) else ()
         return (
             Write("calls", CALLS, (PROMPT, *so_far, *images)),
             Write("samples", SAMPLES, (*TRAJECTORY_WRITES, *images)),

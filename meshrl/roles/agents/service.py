@@ -113,7 +113,7 @@ class AgentsService(Service):
                         processor=self.processor)  # fmt: skip
 
     def image_columns(self, images: list[str]) -> dict[str, Any]:
-        """The IMAGES / IMAGE_MASK columns of one row whose tokens hold `images` (a vision-language
+        """The IMAGES / IMAGE_MASK / PICTURES columns of one row whose tokens hold `images` (a vision-language
         model's; nothing for a text model)."""
         if self.no_images is None:
             return {}

@@ -12,7 +12,7 @@ from meshrl.models.hub import missing
 from meshrl.models.vision import disagreement, is_vision
 from meshrl.planning.config import ServiceConfig
 from meshrl.planning.wiring import Read, Write
-from meshrl.schema import CALLS, EVAL, GENERATED, IMAGE_MASK, IMAGES, PROMPT, SAMPLES
+from meshrl.schema import CALLS, EVAL, GENERATED, IMAGE_MASK, IMAGES, PICTURES, PROMPT, SAMPLES
 
 if TYPE_CHECKING:
     from meshrl.planning.recipe import RunSettings, ServiceGroup
@@ -66,9 +66,13 @@ class InferenceConfig(ServiceConfig):
         # prompts to complete: agents' model calls where an agents group makes them, else rollout's samples
         return (
             Read(
-                "generate", (CALLS, SAMPLES), (PROMPT,), consumer="inference", optional=(IMAGES, IMAGE_MASK)
+                "generate",
+                (CALLS, SAMPLES),
+                (PROMPT,),
+                consumer="inference",
+                optional=(IMAGES, IMAGE_MASK, PICTURES),
             ),
-            Read("evaluate", EVAL, (PROMPT,), consumer="inference", optional=(IMAGES, IMAGE_MASK)),
+            Read("evaluate", EVAL, (PROMPT,), consumer="inference", optional=(IMAGES, IMAGE_MASK, PICTURES)),
         )
 
     def writes(self) -> tuple[Write, ...]:
@@ -95,10 +99,10 @@ class InferenceConfig(ServiceConfig):
             problems.append(why)
         if self.engine in ("vllm", "sglang"):
             name = "vLLM" if self.engine == "vllm" else "SGLang"
-            if Path(self.model).exists() and is_vision(self.model):
+            if self.engine == "sglang" and Path(self.model).exists() and is_vision(self.model):
                 problems.append(
-                    f"engine: {self.model} is a vision-language model, whose images the {name} engine does not "
-                    "take yet; use the hf engine"
+                    f"engine: {self.model} is a vision-language model, whose images the SGLang engine does not "
+                    "take yet; use the hf or vllm engine"
                 )
             if not installed(self.engine):
                 problems.append(

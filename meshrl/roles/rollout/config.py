@@ -23,6 +23,7 @@ from meshrl.schema import (
     IMAGE_MASK,
     IMAGES,
     LOGPROBS,
+    PICTURES,
     PROMPT,
     REF_LOGPROBS,
     RESPONSE,
@@ -248,7 +249,7 @@ class RolloutConfig(ServiceConfig):
     @property
     def image_columns(self) -> tuple[str, ...]:
         """What rollout writes of a prompt's images: a vision-language model's (every row, maybe none)."""
-        return (IMAGES, IMAGE_MASK) if Path(self.model).exists() and is_vision(self.model) else ()
+        return (IMAGES, IMAGE_MASK, PICTURES) if Path(self.model).exists() and is_vision(self.model) else ()
 
     @property
     def advantage_columns(self) -> tuple[str, ...]:

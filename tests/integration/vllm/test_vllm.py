@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from meshrl.engines.base import SamplingParams
 from tests.integration.engine_checks import WeightLink, check_versions, direct
 
 pytest.importorskip("vllm")
@@ -60,6 +61,58 @@ def test_a_mixture_of_experts_follows_the_trainer_after_every_weight_update(tmp_
                 check_versions(engine, tiny_moe, link.publish)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("transport", ["load_weights", "shm"])
+def test_a_vision_language_model_follows_the_trainer_with_images(tmp_path, vlm, processor, transport):
+    """Idefics3 on vLLM's CPU build: the prompts' placeholders expanded by rollout's processor, the
+    pictures (the PICTURES column) processed again by vLLM into the same pixels the trainer reads, so
+    the logprobs of the completions match the trainer's after every weight update (the vision tower
+    trains here too, so its updates must reach vLLM as well)."""
+    from PIL import Image
+
+    from meshrl.engines.vllm import VLLMEngine
+    from meshrl.models import vision
+
+    def ask(*pictures):
+        parts = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": "colour?"}]
+        return vision.encode(processor, [{"role": "user", "content": parts}], list(pictures), "a test row")
+
+    red, blue = Image.new("RGB", (32, 24), (200, 30, 30)), Image.new("RGB", (20, 32), (20, 40, 220))
+    encoded = [ask(red), ask(blue, red), ask(), ask(blue)]
+    prompts = [ids.tolist() for ids, _ in encoded]
+    images = [i for _, i in encoded]
+    assert [len(i.pictures) if i else 0 for i in images] == [1, 2, 0, 1]
+    engine = VLLMEngine(str(vlm), max_batch_size=32, threads=1, work_dir=str(tmp_path / "vllm"))
+    try:
+        if transport == "load_weights":
+            check_versions(engine, vlm, direct, prompts=prompts, images=images, train_vision=True)
+        else:
+            with WeightLink(engine, tmp_path) as link:
+                check_versions(engine, vlm, link.publish, prompts=prompts, images=images, train_vision=True)
+        pixels_only = [vision.Images(images[0].pixels, images[0].mask)]
+        with pytest.raises(ValueError, match="PICTURES"):
+            engine.generate(prompts[:1], SamplingParams(max_new_tokens=2), images=pixels_only)
+    finally:
+        engine.close()
+
+
+def test_a_vision_language_model_trains_on_vllm(tmp_path, vlm):
+    """The services' path with pictures: rollout writes each prompt's pixels and pictures once, vLLM
+    generates from the pictures, the trainer trains on the pixels (vision tower too), and each step's
+    weights reach vLLM's workers: the two agree on every sample (kl_behaviour)."""
+    from tests.integration.grpo.test_grpo import REPO, rows, run
+
+    run_dir = tmp_path / "run"
+    r = run(tmp_path, f"*.model={vlm}", f"run_dir={run_dir}", "total_steps=3", "rollout.eval_every=0",
+            "prompts_per_step=4", "group_size=4", "trainer.mini_batches=1", "inference.engine=vllm",
+            "trainer.train_vision=true", "inference.threads=1", "trainer.threads=1",
+            'rollout.rewards={"tests.integration.test_vlm:reward": 1.0}',  # a random model's samples differ
+            recipe=str(REPO / "recipes" / "grpo_vlm.py"), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = rows(run_dir / "metrics.jsonl")
+    assert [x["version"] for x in m] == [1, 2, 3] and all(x["grad_norm"] > 0 for x in m)
+    assert all(x["kl_behaviour"] < 1e-4 for x in m), [x["kl_behaviour"] for x in m]
 
 
 def test_a_mixture_of_experts_trains_on_vllm(tmp_path, tiny_moe):
