@@ -276,29 +276,12 @@ def _with_images(chat: Conversation, max_pixels: int) -> tuple[list[Message], li
     """The messages as the processor's template takes them, the images they stand for (decoded, in the
     order of their parts: the `images` field's in the place of the bare placeholders) and how many each
     message holds."""
-    listed = list(chat.images)
+    try:
+        filled = vision.fill_placeholders(chat.messages, list(chat.images), chat.where)
+    except ValueError as e:
+        raise DataError(str(e)) from None
     messages, images, per_message = [], [], []
-    used = 0
-    for m in chat.messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                bare = (
-                    isinstance(part, dict)
-                    and part.get("type") == "image"
-                    and all(part.get(k) is None for k in ("image", "url", "path"))
-                )
-                if bare:
-                    if used == len(listed):
-                        raise DataError(
-                            f"{chat.where}: more image placeholders than the {len(listed)} image(s) of its "
-                            "'images' field"
-                        )
-                    part = {**part, "image": listed[used]}
-                    used += 1
-                parts.append(part)
-            m = {**m, "content": parts}
+    for m in filled:
         try:
             (out,), found = vision.split_messages([m], chat.where, max_pixels)
         except ValueError as e:  # an image that does not decode or is too large (the error names the row)
@@ -306,11 +289,6 @@ def _with_images(chat: Conversation, max_pixels: int) -> tuple[list[Message], li
         messages.append(out)
         images += found
         per_message.append(len(found))
-    if used < len(listed):
-        raise DataError(
-            f"{chat.where}: {len(listed)} image(s) in its 'images' field but {used} image placeholder(s) "
-            'in its messages ({"type": "image"} parts)'
-        )
     return messages, images, per_message
 
 

@@ -138,6 +138,38 @@ def decode(image: Any, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
     return pil.convert("RGB")
 
 
+def fill_placeholders(messages: list[dict[str, Any]], images: list[Any], where: str) -> list[dict[str, Any]]:
+    """`messages` with their bare `{"type": "image"}` parts holding `images`, in the order they appear
+    (a row's `images` field); more placeholders than images, or the reverse, is an error naming the row
+    (`where`)."""
+    left = list(images)
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if (
+                    isinstance(p, dict)
+                    and p.get("type") == "image"
+                    and all(p.get(k) is None for k in ("image", "url", "path"))
+                ):
+                    if not left:
+                        raise ValueError(
+                            f"{where}: more image placeholders than the {len(images)} image(s) of its 'images' field"
+                        )
+                    p = {**p, "image": left.pop(0)}
+                parts.append(p)
+            m = {**m, "content": parts}
+        out.append(m)
+    if left:
+        raise ValueError(
+            f"{where}: {len(left)} of the {len(images)} image(s) of its 'images' field have no placeholder "
+            '(a {"type": "image"} part) in its messages'
+        )
+    return out
+
+
 def split_messages(
     messages: list[dict[str, Any]], where: str, max_pixels: int
 ) -> tuple[list[dict[str, Any]], list[Any]]:

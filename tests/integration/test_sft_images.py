@@ -86,7 +86,7 @@ def test_image_rows_mask_the_assistant_and_carry_their_pixels(processor, rows) -
     ("change", "expected"),
     [
         ({"images": []}, "line 2: more image placeholders than the 0 image(s) of its 'images' field"),
-        ({"images": [shapes.generate(1, seed=0)[0]["images"][0]] * 2}, "line 2: 2 image(s) in its 'images' field but 1 image placeholder(s)"),
+        ({"images": [shapes.generate(1, seed=0)[0]["images"][0]] * 2}, "line 2: 1 of the 2 image(s) of its 'images' field have no placeholder"),
         ({"images": ["data:image/png;base64,bm90IGFuIGltYWdl"]}, "line 2: an image that does not decode"),
         ({"images": ["data:image/png,raw"]}, "line 2: an image that does not decode (a data URL that is not base64)"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "line 2: tools and images in one row"),

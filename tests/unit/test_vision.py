@@ -354,5 +354,7 @@ def test_a_row_s_images_field_fills_its_placeholders_in_the_order_they_appear(vl
     got = encode(processor, cfg(vlm), {"prompt": both, "images": [red]})
     alone = [encode(processor, cfg(vlm), {"prompt": question(data_url(c))}).images for c in (red, blue)]
     assert got.images is not None and torch.equal(got.images.pixels, torch.cat([a.pixels for a in alone]))
-    with pytest.raises(ValueError, match="row 4: 1 of the row's 2 image"):
+    with pytest.raises(
+        ValueError, match=r"row 4: 1 of the 2 image\(s\) of its 'images' field have no placeholder"
+    ):
         encode(processor, cfg(vlm), {"prompt": both, "images": [red, blue], "_line": 4})

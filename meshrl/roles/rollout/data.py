@@ -18,6 +18,7 @@ import torch
 
 from meshrl.models.vision import Images, split_messages
 from meshrl.models.vision import encode as encode_images
+from meshrl.models.vision import fill_placeholders
 from meshrl.roles.rollout.config import BUILTIN_TASKS, VERIFIERS, RolloutConfig
 
 
@@ -49,7 +50,7 @@ def encode(tokenizer: Any, cfg: RolloutConfig, row: dict[str, Any], where: str =
         if cfg.system_prompt is not None and not (messages and messages[0].get("role") == "system"):
             messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
         listed = row.get(cfg.images_field) or []
-        messages = filled(messages, listed if isinstance(listed, list) else [listed], where)
+        messages = fill_placeholders(messages, listed if isinstance(listed, list) else [listed], where)
         messages, images = split_messages(messages, where, cfg.max_pixels)
         if vision:
             ids, pixels = encode_images(tokenizer, messages, images, where)
@@ -63,38 +64,6 @@ def encode(tokenizer: Any, cfg: RolloutConfig, row: dict[str, Any], where: str =
     else:
         ids = tokenizer(str(prompt))["input_ids"]
     return Prompt(torch.tensor(list(ids), dtype=torch.int64))
-
-
-def filled(messages: list[dict[str, Any]], images: list[Any], where: str) -> list[dict[str, Any]]:
-    """`messages` with their bare `{"type": "image"}` parts holding `images`, in the order they appear
-    (a row's images field); more placeholders than images, or the reverse, is an error naming the row."""
-    if not images:
-        return messages
-    left = list(images)
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if (
-                    isinstance(p, dict)
-                    and p.get("type") == "image"
-                    and all(p.get(k) is None for k in ("image", "url", "path"))
-                ):
-                    if not left:
-                        raise ValueError(
-                            f"{where}: more image placeholders than the {len(images)} image(s) of the row"
-                        )
-                    p = {**p, "image": left.pop(0)}
-                parts.append(p)
-            m = {**m, "content": parts}
-        out.append(m)
-    if left:
-        raise ValueError(
-            f"{where}: {len(left)} of the row's {len(images)} image(s) have no placeholder in the prompt"
-        )
-    return out
 
 
 def _has_image_part(message: dict[str, Any]) -> bool:
