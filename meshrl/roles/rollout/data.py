@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from meshrl.models.vision import Images, split_messages
+from meshrl.models.vision import Images, fill_placeholders, split_messages
 from meshrl.models.vision import encode as encode_images
-from meshrl.models.vision import fill_placeholders
 from meshrl.roles.rollout.config import BUILTIN_TASKS, VERIFIERS, RolloutConfig
 
 
