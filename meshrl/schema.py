@@ -67,7 +67,7 @@ IMAGES = "images"
 IMAGE_MASK = "image_mask"
 """Per row, the images' pixel masks [n_images, H, W] (False: padding the processor added)."""
 PICTURES = "pictures"
-"""Per row, the decoded pictures the IMAGES were made from, as raw RGB bytes (uint8, `vision.pack_pictures`):
+"""Per row, the decoded pictures the IMAGES were made from, as raw RGB bytes (uint8, `meshrl.models.pictures`):
 for an engine that runs its own image processing (vLLM)."""
 REF_LOGPROBS = "ref_logprobs"
 RM_SCORE = "rm_score"

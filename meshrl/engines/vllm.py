@@ -57,7 +57,7 @@ from meshrl.engines.base import (
     dtype_name,
 )
 from meshrl.engines.served import ModelFacts, request_seeds
-from meshrl.models import vision
+from meshrl.models import pictures, vision
 
 INSTALL = settings.INSTALL["vllm"]
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
@@ -92,7 +92,7 @@ class VLLMEngine(InferenceEngine):
         self.facts = ModelFacts.of(model_path)
         # a vision-language model's prompts hold their images' expansions, which vLLM makes itself
         self.placeholders = (
-            vision.Placeholders(vision.load_processor(model_path)) if vision.is_vision(model_path) else None
+            pictures.Placeholders(vision.load_processor(model_path)) if vision.is_vision(model_path) else None
         )
         self.model_path = model_path
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="meshrl-vllm-"))

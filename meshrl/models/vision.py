@@ -12,7 +12,8 @@ the same tensors and never decode or resize an image themselves.
 An engine that runs its own image processing (vLLM takes pictures, not pixels) reads a third column,
 `schema.PICTURES`: the row's decoded pictures as raw RGB bytes, the very images the pixels were made
 from, so its processor makes the same pixels; it expands the placeholders itself too, so it is given
-the prompt with each image's expansion collapsed back to one placeholder token (`Placeholders`).
+the prompt with each image's expansion collapsed back to one placeholder token
+(meshrl/models/pictures.py).
 
 The families supported are those whose forward places image features at the image tokens in order
 and takes ordinary 1-D position ids (Idefics3 / SmolVLM): samples can then be batched, left-padded
@@ -28,6 +29,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from meshrl.models import pictures
 
 if TYPE_CHECKING:  # the planner reads `is_vision` in a process that never loads torch
     import torch
@@ -244,72 +247,6 @@ def _images(enc: Any, pictures: list[Any]) -> Images:
     return Images(pixels.contiguous(), mask.contiguous(), [p.convert("RGB") for p in pictures])
 
 
-class Placeholders:
-    """How a processor expands an image's placeholder, to undo it: an engine that expands placeholders
-    itself (vLLM, from the pictures) takes a prompt holding one placeholder token per image. The
-    expansion of a picture depends on its size only (the families' processors resize and tile by size),
-    so it is computed once per size."""
-
-    def __init__(self, processor: Any) -> None:
-        self.processor = processor
-        self.token: int = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-        self._by_size: dict[tuple[int, int], list[int]] = {}
-
-    def expansion(self, picture: Any) -> list[int]:
-        """The token ids one placeholder for `picture` becomes."""
-        if picture.size not in self._by_size:
-            from PIL import Image
-
-            enc = self.processor(text=self.processor.image_token, images=[[Image.new("RGB", picture.size)]],
-                                 add_special_tokens=False)  # fmt: skip
-            self._by_size[picture.size] = list(enc["input_ids"][0])
-        return self._by_size[picture.size]
-
-    def collapse(self, ids: list[int], pictures: list[Any]) -> list[int]:
-        """`ids` with each picture's expansion, in order, back to one placeholder token."""
-        out, at = [], 0
-        for n, picture in enumerate(pictures):
-            span = self.expansion(picture)
-            start = next(
-                (i for i in range(at, len(ids) - len(span) + 1) if ids[i : i + len(span)] == span), None
-            )
-            if start is None:
-                raise ValueError(
-                    f"the prompt does not hold the tokens of its image {n} ({picture.width}x{picture.height}) as "
-                    "this model's processor expands them"
-                )
-            out += [*ids[at:start], self.token]
-            at = start + len(span)
-        return out + ids[at:]
-
-
-def pack_pictures(pictures: list[Any]) -> torch.Tensor:
-    """RGB pictures as one row of the PICTURES column: per picture its height and width (4 bytes each,
-    little-endian) then its bytes, row by row."""
-    import numpy as np
-    import torch
-
-    parts = []
-    for p in pictures:
-        rgb = np.asarray(p.convert("RGB"), dtype=np.uint8)
-        parts += [np.array(rgb.shape[:2], dtype="<u4").view(np.uint8), rgb.reshape(-1)]
-    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.uint8)
-
-
-def unpack_pictures(row: torch.Tensor) -> list[Any]:
-    """The pictures of one PICTURES row (`pack_pictures`)."""
-    import numpy as np
-    from PIL import Image
-
-    data, out, at = row.numpy(), [], 0
-    while at < len(data):
-        h, w = (int(x) for x in data[at : at + 8].view("<u4"))
-        at += 8
-        out.append(Image.fromarray(np.ascontiguousarray(data[at : at + h * w * 3]).reshape(h, w, 3), "RGB"))
-        at += h * w * 3
-    return out
-
-
 def as_url(image: Any, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
     """`image` (anything `decode` takes) as a PNG data URL: how an agent's messages keep their images
     (they travel as JSON, in call rows)."""
@@ -411,7 +348,7 @@ def columns(images: list[Images | None], empty: Images) -> dict[str, list[torch.
     return {
         IMAGES: [i.pixels for i in rows],
         IMAGE_MASK: [i.mask for i in rows],
-        PICTURES: [pack_pictures(i.pictures) for i in rows],
+        PICTURES: [pictures.pack(i.pictures) for i in rows],
     }
 
 
@@ -423,14 +360,10 @@ def from_batch(batch: Any, rows: list[int] | None = None) -> list[Images | None]
     if IMAGES not in batch:
         return None
     pixels, masks = batch.ragged(IMAGES), batch.ragged(IMAGE_MASK)
-    pictures = batch.ragged(PICTURES) if PICTURES in batch else None
+    raw = batch.ragged(PICTURES) if PICTURES in batch else None
     pick = range(len(pixels)) if rows is None else rows
     return [
-        Images(
-            pixels[i].clone(),
-            masks[i].bool().clone(),
-            [] if pictures is None else unpack_pictures(pictures[i]),
-        )
+        Images(pixels[i].clone(), masks[i].bool().clone(), [] if raw is None else pictures.unpack(raw[i]))
         if len(pixels[i])
         else None
         for i in pick

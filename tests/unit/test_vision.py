@@ -23,7 +23,7 @@ from meshrl.envs import Environment, Limits, Message, State, Step, Turn, tool
 from meshrl.envs.episode import advance, start
 from meshrl.envs.parsers import PlainParser
 from meshrl.envs.render import Renderer
-from meshrl.models import vision
+from meshrl.models import pictures, vision
 from meshrl.roles.reference.service import response_logprobs
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import encode
@@ -82,10 +82,10 @@ def test_pictures_travel_beside_the_pixels_and_prompts_collapse_to_one_placehold
     assert images is not None and [p.size for p in images.pictures] == [(32, 32), (20, 12)]
     packed = vision.columns([images, None], vision.blank(processor))
     assert set(packed) == {"images", "image_mask", "pictures"} and len(packed["pictures"][1]) == 0
-    back = vision.unpack_pictures(packed["pictures"][0])
+    back = pictures.unpack(packed["pictures"][0])
     assert [p.tobytes() for p in back] == [big.tobytes(), small.tobytes()]
 
-    placeholders = vision.Placeholders(processor)
+    placeholders = pictures.Placeholders(processor)
     compact = placeholders.collapse(ids.tolist(), images.pictures)
     token = processor.tokenizer.convert_tokens_to_ids("<image>")
     assert compact.count(token) == 2 and len(compact) == len(ids) - sum(
