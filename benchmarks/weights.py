@@ -9,7 +9,9 @@ random values in the published dtype. The trainer (this process) is rank 0 of a 
 (`meshrl.runtime.weights.WeightGroup`); two receiver processes are ranks 1 and 2, each holding its own
 copy of the model's tensors and loading every publication into them as the HF engine does (a copy per
 tensor). Two transports, in the same invocation: the shared-memory segment (the CPU path when every
-replica shares the trainer's host) and the gloo broadcast (the path between hosts, NCCL's on GPU).
+replica shares the trainer's host; the trainer fills it bucket by bucket while the receivers copy the
+buckets already in) and the gloo broadcast (the path between hosts, NCCL's on GPU), in buckets of
+`--bucket-mb` (the trainer's default, 64).
 
 One publication is timed from the trainer's `post` (the copy into the segment, or the first bucket) to
 the end of `finish` (every replica has loaded the version and passed the barrier). Each version changes
@@ -79,7 +81,7 @@ def receiver(port: int, rank: int, man: list, out: mp.Queue) -> None:
     out.put((rank, -1, 0))
 
 
-def publish(man: list, tensors: list[torch.Tensor], shm_dir: str | None) -> list[float]:
+def publish(man: list, tensors: list[torch.Tensor], shm_dir: str | None, bucket_mb: int) -> list[float]:
     """Seconds per publication to two receiver processes, each version verified on arrival."""
     from meshrl.runtime.weights import WeightGroup
 
@@ -99,7 +101,7 @@ def publish(man: list, tensors: list[torch.Tensor], shm_dir: str | None) -> list
             fill(tensors, version)
             want = checksum(tensors)
             t0 = time.perf_counter()
-            group.post(version, man, tensors)
+            group.post(version, man, tensors, bucket_bytes=bucket_mb << 20)
             group.finish()
             dt = time.perf_counter() - t0
             got = sorted(out.get(timeout=600) for _ in procs)
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--layers", type=int, default=24, help="Qwen2.5-0.5B has 24")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--bucket-mb", type=int, default=64, help="trainer.bucket_mb (its default: 64)")
     args = ap.parse_args()
     man = manifest(args.layers, args.dtype)
     g = torch.Generator().manual_seed(0)
@@ -144,8 +147,8 @@ def main() -> None:
     total = sum(t.numel() * t.element_size() for t in tensors)
     copy = statistics.median(memcpy(tensors))
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm_dir:
-        shm = statistics.median(publish(man, tensors, shm_dir))
-    broadcast = statistics.median(publish(man, tensors, None))
+        shm = statistics.median(publish(man, tensors, shm_dir, args.bucket_mb))
+    broadcast = statistics.median(publish(man, tensors, None, args.bucket_mb))
     result = {
         "shm_gb_per_s": round(total / shm / 1e9, 3),
         "broadcast_gb_per_s": round(total / broadcast / 1e9, 3),

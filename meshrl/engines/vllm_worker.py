@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from meshrl.dataplane.shm import Segment
 from meshrl.runtime.weights import broadcast_from_trainer, process_group
-from meshrl.runtime.weights_packing import Header, incoming, reader
+from meshrl.runtime.weights_packing import Header, incoming, reader, span
 
 
 class WeightReceiver:
@@ -44,7 +44,7 @@ class WeightReceiver:
 
     def meshrl_receive(self, header: Header, tied: bool) -> None:
         if "shm" in header:
-            read = reader(self._meshrl_mapped(header["shm"], sum(header["buckets"])))
+            read = reader(self._meshrl_mapped(header["shm"], span(header["buckets"])))
         else:
             read = self._meshrl_broadcast
         self.reload_weights(weights_iterator=(t for bucket in incoming(header, read) for t in bucket))

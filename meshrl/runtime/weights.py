@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from meshrl.runtime.weights_packing import (
-    WHOLE,
     Header,
     Manifest,
     buckets,
@@ -50,6 +49,7 @@ from meshrl.runtime.weights_packing import (
     one_thread,
     pack,
     reader,
+    span,
 )
 from meshrl.runtime.weights_shm import SharedWeights, store_barrier
 
@@ -216,32 +216,33 @@ class WeightGroup:
         bucket_bytes: int = 64 << 20,
     ) -> None:
         """Rank 0: announce a publication, taking in replicas that asked to join (a new epoch). With
-        shared memory, `tensors` are copied into the segment here (None: it already holds this version)
-        and may change once this returns; over the broadcast they must stay until `finish` returns."""
+        shared memory, `tensors` are copied into the segment here, bucket by bucket after the
+        announcement, each marked staged as it lands (`staged/<n>/<k>` in the store), so the receivers
+        copy bucket k out while bucket k+1 goes in; call it from the thread that computes (the copies
+        run on one thread, `one_thread`). They may change once this returns (None: the segment already
+        holds this version). Over the broadcast they must stay until `finish` returns."""
         assert self.rank == 0 and self.pending is None
-        if self.shm is not None:  # one segment holds the whole version: one bucket
-            bucket_bytes = WHOLE
         joining = self.store.add("joins", 0)
         if not self.formed or joining > self.joins:  # a member re-joins (or the last epoch broke)
             self._next_epoch(joining)
         header: Header = {"version": version, "epoch": self.epoch, **layout(manifest, bucket_bytes)}
-        if self.shm is not None:  # every receiver reads the segment: fill it, then announce
-            if tensors is not None:
-                self.stage(manifest, tensors)
-            header["shm"] = self.memory.path()
-            tensors = None
+        if self.shm is None:
+            self._announce(header)
+            self.pending = (header, bucket_bytes, tensors)
+            return
+        plan = buckets(manifest, bucket_bytes)
+        segment = (
+            self.memory.staging(span(size for size, _ in plan), self.epoch) if tensors is not None else None
+        )
+        header["shm"] = self.memory.path()
         self._announce(header)
-        self.pending = (header, bucket_bytes, tensors)
-
-    def stage(self, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> None:
-        """Rank 0 with shared memory: copy `tensors` into the segment now, for a `post` with no tensors
-        (no publication may be in flight). They may change once this returns. Call it from the thread
-        that computes: the copies run on one thread (`one_thread`)."""
-        assert self.rank == 0 and self.pending is None
-        ((size, members),) = buckets(manifest, WHOLE)
-        out = self.memory.staging(size, self.epoch)
+        write = reader(segment) if segment is not None else None
         with one_thread():
-            pack(manifest, tensors, members, out)
+            for k, (size, members) in enumerate(plan):
+                if write is not None and tensors is not None:
+                    pack(manifest, tensors, members, write(size))
+                self.store.set(f"staged/{self.published}/{k}", "")
+        self.pending = (header, bucket_bytes, None)
 
     def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
         """Rank 0: the rest of the posted publication (the broadcast, the barrier). Returns the bytes.
@@ -265,6 +266,9 @@ class WeightGroup:
                 # every receiver has read the announcement: delete it (the barrier's few bytes stay); a
                 # delete waits for the store's answer, so it happens here, off the training thread
                 self.store.delete_key(f"pub/{self.published}")
+                if "shm" in header:
+                    for k in range(len(plan)):
+                        self.store.delete_key(f"staged/{self.published}/{k}")
                 self.pending = None
                 return sum(b[0] for b in plan)
             except GroupBroken as e:
@@ -355,12 +359,15 @@ class WeightGroup:
         comes again in the next epoch).
         """
         if self.member is not None and self.shared:  # nothing collective: an error is an error
+            for k in range(len(header["buckets"])):  # the member's processes read it once it is all in
+                self._staged(k)
             self.member.receive(header)
         elif self.member is not None:
             self._collective(lambda: self.member.receive(header))  # type: ignore[union-attr]
         else:
             if "shm" in header:
-                read = reader(self.memory.mapped(header["shm"], sum(header["buckets"]), self.rank))
+                mapped = self.memory.mapped(header["shm"], span(header["buckets"]), self.rank)
+                read = reader(mapped, self._staged)
             else:
                 read = self._received
             for named in incoming(header, read):
@@ -369,6 +376,10 @@ class WeightGroup:
             applied()
         self._barrier()
         return int(header["version"])
+
+    def _staged(self, k: int) -> None:
+        """Until bucket k of the publication being received is in the shared memory."""
+        _wait_key(self.store, f"staged/{self.published}/{k}")
 
     def _received(self, size: int) -> torch.Tensor:
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)

@@ -2,7 +2,7 @@
 
 Broadcasting tensor by tensor would cost a collective each, and a shared-memory segment is one block of
 bytes anyway, so a version travels as byte buckets: consecutive tensors in manifest order, at most
-`bucket_bytes` each (a bigger tensor gets its own; WHOLE puts everything in one). In a bucket each run
+`bucket_bytes` each (a bigger tensor gets its own). In a bucket each run
 of tensors of one dtype starts ALIGN-aligned, so a view of any dtype is aligned whatever came before it
 (a bfloat16 tensor of odd length followed by a float32 one). The layout is a function of the manifest
 and the bucket size alone: the announcement carries both (`layout`), and a receiver recomputes the
@@ -27,7 +27,6 @@ from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
 Manifest = list[tuple[str, tuple[int, ...], str]]
 Header = dict[str, Any]  # an announcement: version, epoch, and the `layout` (tensors, buckets)
 ALIGN = 8  # byte alignment of each run of one dtype in a bucket
-WHOLE = 1 << 62  # bucket bytes meaning "everything in one bucket" (shared memory)
 
 
 def layout(manifest: Manifest, bucket_bytes: int) -> Header:
@@ -51,17 +50,30 @@ def incoming(header: Header, read: Callable[[int], torch.Tensor]) -> Iterator[li
         yield unpack(manifest, members, read(size))
 
 
-def reader(shared: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    """`read` for `incoming` over one shared-memory version: consecutive slices (views: the consumer
-    copies what it keeps before the group's barrier)."""
-    start = 0
+def reader(shared: torch.Tensor, ready: Callable[[int], None] | None = None) -> Callable[[int], torch.Tensor]:
+    """`read` for `incoming` over one shared-memory version: its buckets as consecutive ALIGN-aligned
+    slices (views: the consumer copies what it keeps before the group's barrier). `ready(k)` blocks
+    until bucket k is staged (the trainer fills the segment while the receivers read it). The trainer
+    writes through the same slices."""
+    start, k = 0, 0
 
     def read(size: int) -> torch.Tensor:
-        nonlocal start
-        start += size
+        nonlocal start, k
+        if ready is not None:
+            ready(k)
+        k += 1
+        start = _align(start) + size
         return shared[start - size : start]
 
     return read
+
+
+def span(sizes: Iterable[int]) -> int:
+    """The bytes of buckets of `sizes` laid out as `reader` reads them."""
+    end = 0
+    for size in sizes:
+        end = _align(end) + size
+    return end
 
 
 def buckets(manifest: Manifest, bucket_bytes: int) -> list[tuple[int, list[int]]]:

@@ -1,8 +1,10 @@
 """The weight group's shared-memory path: every receiver on the trainer's host (CPU), no process group.
 
 When all inference replicas share the trainer's host, a version does not need a broadcast: the trainer
-copies it into one segment (one bucket, `WHOLE`), the announcement names the segment, and each receiver
-copies from its own mapping (about 3x faster than gloo on loopback for a 4 MiB model). The barrier goes
+copies it into one segment, the announcement names the segment, and each receiver copies from its own
+mapping (about 3x faster than gloo on loopback for a 4 MiB model). The trainer announces first and then
+fills the segment bucket by bucket, marking each in the store, so the receivers copy bucket k out while
+bucket k+1 goes in (a 988 MB model: the copies overlap instead of following each other). The barrier goes
 through the group's store too (`store_barrier`): each receiver counts itself in and the last one says
 so. No process group exists at all, which matters with dozens of replicas on a few cores. `WeightGroup`
 (`weights.py`) decides when each of these runs; this module is the segment and the store's barrier.

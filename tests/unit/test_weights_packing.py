@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from meshrl.dataplane.batch import DTYPE_NAMES
-from meshrl.runtime.weights_packing import buckets, nbytes, pack, unpack
+from meshrl.runtime.weights_packing import buckets, nbytes, pack, reader, span, unpack
 
 
 def test_mixed_dtypes_and_shapes_round_trip_bit_exact_through_every_bucket() -> None:
@@ -46,3 +46,28 @@ def test_a_tensor_that_does_not_match_the_manifest_is_refused() -> None:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_buckets_in_one_segment_are_aligned_and_each_is_read_once_staged() -> None:
+    """Shared memory holds a version's buckets back to back, each ALIGN-aligned (`reader`: the trainer
+    writes through it, receivers read through it), and a receiver reads bucket k only once `ready(k)`
+    returns: the trainer marks each bucket as it fills it, and the receivers copy behind it."""
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(3, generator=g).to(torch.bfloat16), torch.randn(5, generator=g)] * 3
+    manifest = [(f"w{i}", tuple(t.shape), DTYPE_NAMES[t.dtype]) for i, t in enumerate(tensors)]
+    plan = buckets(manifest, 8)
+    sizes = [size for size, _ in plan]
+    assert len(plan) == 6 and span(sizes) > sum(sizes)  # a 6-byte bucket pads the next one's start
+    segment = torch.zeros(span(sizes), dtype=torch.uint8)
+    write = reader(segment)
+    for size, members in plan:
+        out = write(size)
+        assert out.data_ptr() % 8 == 0
+        pack(manifest, tensors, members, out)
+    waited: list[int] = []
+    read = reader(segment, waited.append)
+    got = {}
+    for k, (size, members) in enumerate(plan):
+        got.update(unpack(manifest, members, read(size)))
+        assert waited == list(range(k + 1))
+    assert all(torch.equal(got[f"w{i}"], t) for i, t in enumerate(tensors))

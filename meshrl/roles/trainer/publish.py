@@ -90,14 +90,15 @@ class Publisher:
         with self.lock:  # a re-send asked for meanwhile queues behind this publication
             self.wait()  # the previous publication is complete (or raises its failure)
             self.published = None  # at most one copy of the weights waits here
-            if self.weights.shm is not None:  # copied into shared memory right here, no other copy
-                self.weights.stage(manifest, list(weights))
-                copies = None
-            else:
-                copies = [t.detach().clone() for t in weights]
+            shared = self.weights.shm is not None  # copied into shared memory right here, in `post`
+            copies: list[torch.Tensor] | None = (
+                list(weights) if shared else [t.detach().clone() for t in weights]
+            )
             # announced from this thread: a hand-off to the publisher first would wait for the GIL
             # while this thread goes on with the step's bookkeeping (2-3 ms per step measured here)
             self.weights.post(version, manifest, copies, bucket_bytes=self.bucket_bytes)
+            if shared:
+                copies = None  # the segment holds the version: no copy to keep
             self.queued = self.executor.submit(self._send, version, copies, final, gate)
         return time.perf_counter() - t0
 

@@ -26,6 +26,7 @@ from tests.conftest import free_base_port
 
 REPO = Path(__file__).resolve().parents[3]
 MANIFEST = [("a", (1000,), "float32"), ("b", (3, 7), "int64")]
+BUCKET = 1000  # two buckets: with shared memory, the receivers read the first while the second goes in
 
 RECEIVER = """
 import json, os, sys
@@ -77,14 +78,16 @@ def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path, tra
     try:
         group = WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60, shm=shm)
         assert line(survivor) == line(lost) == {"joined": 0}
-        group.send(0, MANIFEST, tensors(0))
+        group.send(0, MANIFEST, tensors(0), bucket_bytes=BUCKET)
         assert line(survivor) == line(lost) == {"version": 0, "epoch": 0, "ok": True}
 
         # killed between publications: the next publication fails on it and waits for its replacement
         lost.send_signal(signal.SIGKILL)
         lost.wait()
         sending = threading.Thread(
-            target=group.send, args=(1, MANIFEST, tensors(1)), kwargs={"rejoin_timeout_s": 60}
+            target=group.send,
+            args=(1, MANIFEST, tensors(1)),
+            kwargs={"rejoin_timeout_s": 60, "bucket_bytes": BUCKET},
         )
         sending.start()
         lost = receiver(port, 2)
@@ -106,12 +109,12 @@ def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path, tra
         procs.append(lost)
         group.wait_for_join(2)  # what the trainer's watcher thread does
         assert group.rejoin_pending()
-        group.send(1, MANIFEST, tensors(1))
+        group.send(1, MANIFEST, tensors(1), bucket_bytes=BUCKET)
         assert line(lost) == {"joined": 2}
         assert line(lost) == line(survivor) == {"version": 1, "epoch": 2, "ok": True}
         assert not group.rejoin_pending()
 
-        group.send(2, MANIFEST, tensors(2))  # and the re-formed group goes on as before
+        group.send(2, MANIFEST, tensors(2), bucket_bytes=BUCKET)  # and the re-formed group goes on as before
         assert line(lost) == line(survivor) == {"version": 2, "epoch": 2, "ok": True}
         group.close()
         assert survivor.wait(timeout=30) == 0 and lost.wait(timeout=30) == 0
