@@ -141,30 +141,43 @@ def decode(image: Any, where: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Any:
     return pil.convert("RGB")
 
 
+def _image_of(part: Any) -> tuple[str | None, Any]:
+    """A content part's image kind ("image_url" or "image"; None: not an image part) and the image it
+    carries (an `image_url` part's URL; an `image` part's `image`, `url` or `path`; None: a bare
+    `{"type": "image"}` placeholder)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image_url":
+        url = part.get("image_url")
+        return kind, url.get("url") if isinstance(url, dict) else url
+    if kind == "image":
+        return kind, next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
+    return None, None
+
+
+def _each_part(messages: list[dict[str, Any]], change: Any) -> list[dict[str, Any]]:
+    """`messages` with every content part replaced by `change(part)` (text contents as they are)."""
+    return [
+        {**m, "content": [change(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+        for m in messages
+    ]
+
+
 def fill_placeholders(messages: list[dict[str, Any]], images: list[Any], where: str) -> list[dict[str, Any]]:
     """`messages` with their bare `{"type": "image"}` parts holding `images`, in the order they appear
     (a row's `images` field); more placeholders than images, or the reverse, is an error naming the row
     (`where`)."""
     left = list(images)
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for p in content:
-                if (
-                    isinstance(p, dict)
-                    and p.get("type") == "image"
-                    and all(p.get(k) is None for k in ("image", "url", "path"))
-                ):
-                    if not left:
-                        raise ValueError(
-                            f"{where}: more image placeholders than the {len(images)} image(s) of its 'images' field"
-                        )
-                    p = {**p, "image": left.pop(0)}
-                parts.append(p)
-            m = {**m, "content": parts}
-        out.append(m)
+
+    def fill(part: Any) -> Any:
+        if _image_of(part) != ("image", None):
+            return part
+        if not left:
+            raise ValueError(
+                f"{where}: more image placeholders than the {len(images)} image(s) of its 'images' field"
+            )
+        return {**part, "image": left.pop(0)}
+
+    out = _each_part(messages, fill)
     if left:
         raise ValueError(
             f"{where}: {len(left)} of the {len(images)} image(s) of its 'images' field have no placeholder "
@@ -179,28 +192,16 @@ def split_messages(
     """Chat messages as a processor's chat template takes them ({"type": "image"} parts) and the images
     their parts carry, in order: an OpenAI `image_url` part (a data URL), or an `image` part holding the
     image itself (`image`, `url` or `path`)."""
-    out, images = [], []
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, list):
-            out.append(m)
-            continue
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                images.append(decode(url, where, max_pixels))
-                parts.append({"type": "image"})
-            elif kind == "image" and any(part.get(k) is not None for k in ("image", "url", "path")):
-                source = next(part[k] for k in ("image", "url", "path") if part.get(k) is not None)
-                images.append(decode(source, where, max_pixels))
-                parts.append({"type": "image"})
-            else:
-                parts.append(part)
-        out.append({**m, "content": parts})
-    return out, images
+    images: list[Any] = []
+
+    def split(part: Any) -> Any:
+        kind, source = _image_of(part)
+        if kind == "image_url" or (kind == "image" and source is not None):
+            images.append(decode(source, where, max_pixels))
+            return {"type": "image"}
+        return part
+
+    return _each_part(messages, split), images
 
 
 def encode(
@@ -273,30 +274,14 @@ def with_urls(
     messages: list[dict[str, Any]], where: str, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> list[dict[str, Any]]:
     """`messages` with every image part as an OpenAI `image_url` part holding a data URL."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                source = None
-                if kind == "image_url":
-                    source = part.get("image_url")
-                    source = source.get("url") if isinstance(source, dict) else source
-                elif kind == "image":
-                    source = next(
-                        (part[k] for k in ("image", "url", "path") if part.get(k) is not None), None
-                    )
-                if kind in ("image_url", "image"):
-                    parts.append(
-                        {"type": "image_url", "image_url": {"url": as_url(source, where, max_pixels)}}
-                    )
-                else:
-                    parts.append(part)
-            m = {**m, "content": parts}
-        out.append(m)
-    return out
+
+    def as_url_part(part: Any) -> Any:
+        kind, source = _image_of(part)
+        if kind is None:
+            return part
+        return {"type": "image_url", "image_url": {"url": as_url(source, where, max_pixels)}}
+
+    return _each_part(messages, as_url_part)
 
 
 def model_inputs(images: list[Images | None], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
