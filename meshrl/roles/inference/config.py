@@ -63,16 +63,18 @@ class InferenceConfig(ServiceConfig):
             yield "max_batch: must be >= 1"
 
     def reads(self) -> tuple[Read, ...]:
-        # prompts to complete: agents' model calls where an agents group makes them, else rollout's samples
+        # prompts to complete: agents' model calls where an agents group makes them, else rollout's samples;
+        # a vision-language model's pixels, and for vLLM (it processes its own) the pictures
+        images = (IMAGES, IMAGE_MASK, *((PICTURES,) if self.engine == "vllm" else ()))
         return (
             Read(
                 "generate",
                 (CALLS, SAMPLES),
                 (PROMPT,),
                 consumer="inference",
-                optional=(IMAGES, IMAGE_MASK, PICTURES),
+                optional=images,
             ),
-            Read("evaluate", EVAL, (PROMPT,), consumer="inference", optional=(IMAGES, IMAGE_MASK, PICTURES)),
+            Read("evaluate", EVAL, (PROMPT,), consumer="inference", optional=images),
         )
 
     def writes(self) -> tuple[Write, ...]:
