@@ -213,6 +213,8 @@ def trl_side(spec: dict[str, Any]) -> dict[str, Any]:
     trainer_.save_model(str(Path(spec["out"]) / "final"))
     tokenizer.save_pretrained(str(Path(spec["out"]) / "final"))
     times = [t for t, _ in reward.calls] + [Ended.at]
+    rewards = [[round(x, 4) for x in r] for _, r in reward.calls]
+    (Path(spec["out"]) / "rewards.json").write_text(json.dumps(rewards))  # per step, as meshrl's samples
     return {
         "samples": per_step * len(reward.calls), "train_s": float(out.metrics["train_runtime"]),
         "step_s": [b - a for a, b in itertools.pairwise(times)],

@@ -32,7 +32,7 @@ def recipe() -> Recipe:
                     rewards={"meshrl.tasks.arith:reward": 1.0},
                     window=1,
                     eval_every=25,
-                    eval_samples=4,
+                    eval_samples=10,
                 ),
             ),
             ServiceGroup(

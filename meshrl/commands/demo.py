@@ -133,6 +133,11 @@ def report(run_dir: Path) -> None:
         print(
             f"  sampled (T=1)                      {first['sampled_accuracy']:.2f}     {last['sampled_accuracy']:.2f}"
         )
+        if "sampled_stderr" in last:  # the sampled share counts many answers per problem: its spread
+            print(
+                f"  (sampled: {last['sampled_answers']} answers to {first['prompts']} problems, standard error "
+                f"{first['sampled_stderr']:.2f} before, {last['sampled_stderr']:.2f} after; greedy: one each)"
+            )
     n = min(10, len(metrics) // 2)
     if n:
         early = sum(m["reward_mean"] for m in metrics[:n]) / n

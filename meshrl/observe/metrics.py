@@ -138,6 +138,8 @@ CATALOGUE: dict[str, Metric] = {
         M, "share of greedy completions the correctness check accepts (rollout.correctness)"
     ),
     "sampled_accuracy": Metric(M, "share of sampled completions the correctness check accepts"),
+    "sampled_answers": Metric(S, "sampled completions the correctness check scored (sampled_accuracy's n)"),
+    "sampled_stderr": Metric(M, "binomial standard error of sampled_accuracy: sqrt(p (1 - p) / n)"),
     "pass@{k}": Metric(M, "share of held-out prompts with at least one correct completion of k sampled"),
     "prompts": Metric(S, "held-out prompts evaluated"),
     # reward functions (rollout: rewards.jsonl per step's worth of scored samples, and eval.jsonl)

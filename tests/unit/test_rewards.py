@@ -125,6 +125,7 @@ def test_eval_summary_counts_accuracy_by_the_correctness_check_alone():
     assert s == pytest.approx({
         "prompts": 2, "greedy_accuracy": 0.5, "sampled_accuracy": 0.25, "greedy_reward": 0.7,
         "sampled_reward": 0.4, "pass@2": 0.5, "reward/exact": 0.5, "reward/fmt": 1.0,
+        "sampled_answers": 4, "sampled_stderr": (0.25 * 0.75 / 4) ** 0.5,
     })  # fmt: skip
     # the same completions with every answer formatted and none right: the reward grows, accuracy is 0
     formatted = [(g, 0.2, p, {"exact": 0.0, "fmt": 1.0}) for g, _, p, _ in results]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -181,8 +182,10 @@ def summarize(results: list[EvalResult], correctness: str | None = None) -> dict
     function's mean over the greedy completions it applied to, and, when the recipe has a correctness
     check (`correctness`: the name of the reward function that says whether an answer is right), the
     share of correct completions (`greedy_accuracy`, `sampled_accuracy`: a value of at least 0.5 is
-    correct; a completion it does not apply to is left out) and pass@k (the share of prompts with at
-    least one correct sampled completion of their k)."""
+    correct; a completion it does not apply to is left out), how many sampled answers that share counts
+    and its binomial standard error (`sampled_answers`, `sampled_stderr`: sqrt(p (1 - p) / n), the
+    spread of the share from sampling alone, the held-out prompts fixed), and pass@k (the share of
+    prompts with at least one correct sampled completion of their k)."""
     m = Metrics()
     solved: dict[int, bool] = {}
     for greedy, reward, prompt, functions in results:
@@ -202,6 +205,10 @@ def summarize(results: list[EvalResult], correctness: str | None = None) -> dict
     for key in ("greedy_accuracy", "sampled_accuracy", "greedy_reward", "sampled_reward"):
         if key in values:
             out[key] = values.pop(key)
+    answers = sum(not g and correctness in f for g, _, _, f in results) if correctness else 0
+    if answers and "sampled_accuracy" in out:
+        p = out["sampled_accuracy"]
+        out["sampled_answers"], out["sampled_stderr"] = answers, math.sqrt(p * (1 - p) / answers)
     if solved:
         k = sum(not g for g, *_ in results) // max(len({p for g, _, p, _ in results if not g}), 1)
         out[f"pass@{k}"] = sum(solved.values()) / len(solved)
