@@ -15,7 +15,7 @@ as meshrl's GRPO; clip 0.2; no KL), except two it sets for GPUs that would cost 
 CPU: `gradient_checkpointing` (off, as meshrl) and `bf16` (off: both train in float32). TRL needs the
 `compare` extra (`pip install -e '.[compare]'`); the benchmark installs it when missing.
 
-meshrl runs as `meshrl run <recipe>` (its services as processes, evaluation during the run off); TRL in
+meshrl runs as `meshrl run <recipe>` (its services as processes, no evaluation during the run); TRL in
 one process (this script, `--trl-side`). Each side's model after training is saved and scored by the same
 code, `meshrl eval` on the recipe's held-out rows, with `--eval-samples` sampled answers per row
 (T = recipe temperature) and one greedy: the warm start too, once.
@@ -40,6 +40,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def configs(recipe: str, model: Path, steps: int, seed: int) -> tuple[Any, Any, 
 
 def run_meshrl(recipe: str, model: Path, steps: int, seed: int, run_dir: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "meshrl.cli", "run", str(REPO / recipe), f"*.model={model}",
-           f"run_dir={run_dir}", f"total_steps={steps}", f"seed={seed}", "rollout.eval_every=0"]  # fmt: skip
+           f"run_dir={run_dir}", f"total_steps={steps}", f"seed={seed}", "rollout.eval_size=0"]  # fmt: skip
     log("meshrl: " + " ".join(cmd[2:]))
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -276,6 +277,7 @@ def main(argv: list[str]) -> int:
     results: dict[str, dict[str, Any]] = {}
     order = ("trl", "meshrl") if args.trl_first else ("meshrl", "trl")
     for side in order:
+        shutil.rmtree(root / side, ignore_errors=True)  # each side starts afresh (a run directory resumes)
         if side == "meshrl":
             results[side] = run_meshrl(recipe, model, steps, args.seed, root / "meshrl")
         else:

@@ -97,6 +97,9 @@ def test_a_reasoning_gym_task_generates_train_and_other_held_out_rows():
     assert all(r["answer"].isdigit() and "legs" in r["prompt"] for r in train + held_out)
     assert {r["prompt"] for r in held_out} != {r["prompt"] for r in train[:5]}
     assert load_rows(cfg)[0] == train  # the same seed, the same rows
+    # eval_size=0: nothing held out, so a run evaluates nothing (the built-in task's split too)
+    assert load_rows(dataclasses.replace(cfg, eval_size=0)) == (train, [])
+    assert load_rows(RolloutConfig(model=".", rewards=ARITH, dataset="arith", eval_size=0))[1] == []
 
 
 def test_dataset_settings_are_checked_all_at_once():

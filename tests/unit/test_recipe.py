@@ -24,10 +24,13 @@ def listed(e: pytest.ExceptionInfo[RecipeError]) -> list[str]:
 def test_several_bad_fields_are_all_listed_with_the_plan_problems():
     """As a new user types it: a missing model, a negative learning rate and a zero window."""
     with pytest.raises(RecipeError) as e:
-        prepare(GRPO, ["*.model=/nonexistent", "trainer.optim.lr=-1", "rollout.window=0"])
+        prepare(
+            GRPO, ["*.model=/nonexistent", "trainer.optim.lr=-1", "rollout.window=0", "rollout.eval_size=-1"]
+        )
     problems = listed(e)
     assert "override 'trainer.optim.lr=-1': lr: must be > 0, got -1.0" in problems
     assert "override 'rollout.window=0': window: must be >= 1 or None" in problems
+    assert "override 'rollout.eval_size=-1': eval_size: must be >= 0 (0: no evaluation) or None" in problems
     for group in ("rollout", "inference", "trainer"):
         assert f"groups['{group}'].config.model: path '/nonexistent' does not exist" in "\n".join(problems)
 

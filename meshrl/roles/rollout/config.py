@@ -97,7 +97,7 @@ class RolloutConfig(ServiceConfig):
     max_rows: int | None = None
     """Read at most this many training rows (None: all)."""
     eval_size: int | None = None
-    """Evaluate on at most this many held-out rows (None: all). For "verifiers:<taskset id>": how many
+    """Evaluate on at most this many held-out rows (None: all; 0: no evaluation in the run). For "verifiers:<taskset id>": how many
     of the taskset's tasks are held out of training, drawn with seed 0 (the same tasks in every run of
     that taskset and config; None: none)."""
     prompt_field: str = "prompt"
@@ -188,9 +188,10 @@ class RolloutConfig(ServiceConfig):
         if not 0 <= self.max_failed_fraction <= 1:
             yield "max_failed_fraction: must be in [0, 1]"
         yield from self._reward_problems()
-        for name, value in (("max_rows", self.max_rows), ("eval_size", self.eval_size)):
-            if value is not None and value < 1:
-                yield f"{name}: must be >= 1 or None"
+        if self.max_rows is not None and self.max_rows < 1:
+            yield "max_rows: must be >= 1 or None"
+        if self.eval_size is not None and self.eval_size < 0:
+            yield "eval_size: must be >= 0 (0: no evaluation) or None"
         if self.streaming and self.max_rows is None:
             yield "streaming: needs max_rows (how many rows of the stream to read)"
         if self.max_prompt_len < 1:
