@@ -105,6 +105,12 @@ class Ragged:
     def tolist(self) -> list[torch.Tensor]:
         return list(self)
 
+    def select(self, index: Sequence[int]) -> Ragged:
+        """The rows `index`, in that order (a copy)."""
+        rows = [self[i] for i in index]
+        values = torch.cat(rows) if rows else self.values[:0]
+        return Ragged(values, [r.shape[0] for r in rows], check=False)
+
     def padded(self, pad: float | int = 0, max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """([n, width, *shape] right-padded values, [n, width] bool mask of real items).
 
@@ -169,6 +175,15 @@ class Batch:
         if not isinstance(value, Ragged):
             raise TypeError(f"column {name!r} is dense; use batch.tensor({name!r})")
         return value
+
+    def select(self, index: Sequence[int]) -> Batch:
+        """The rows `index` of this claim, in that order: a part of the same claim (acknowledge it with
+        `client.ack(part, part.ids)`; the other rows stay claimed)."""
+        cols = {
+            k: v.select(index) if isinstance(v, Ragged) else v[list(index)] for k, v in self.columns.items()
+        }
+        meta = None if self.meta is None else [self.meta[i] for i in index]
+        return Batch(self.partition, self.consumer, self.claim, self.ids[list(index)], meta, cols)
 
     def meta_of(self, key: str, default: Any = None) -> list[Any]:
         if self.meta is None:

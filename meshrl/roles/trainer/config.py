@@ -104,9 +104,14 @@ class TrainerConfig(ServiceConfig):
     moe: MoEConfig = MoEConfig()
     """A mixture of experts' routers: the auxiliary load-balancing loss (off unless moe.aux_loss_coef > 0)."""
     mini_batches: int = 1
-    """Mini-batches per training step (one weight version): the trainer claims a mini-batch of whole
-    groups as soon as it is ready, takes an optimizer step on it, and publishes new weights after
-    `mini_batches` of them. Later mini-batches are slightly off-policy; the loss accounts for it."""
+    """Optimizer steps per training step (one weight version), each on a mini-batch of the step's
+    samples; new weights are published after the last. Later mini-batches are slightly off-policy;
+    the loss accounts for it."""
+    mix_groups: bool = True
+    """Mini-batches are drawn at random from the whole step's samples, each holding samples of every
+    group (as TRL does): with Adam, every optimizer step then pushes on all of the step's prompts. False:
+    each mini-batch is whole groups, trained as soon as they are scored (the first needs only its own
+    groups, not the whole step's)."""
     epochs: int = 1
     """Optimizer steps over each mini-batch (PPO epochs)."""
     max_staleness: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import queue
+import random
 import threading
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from meshrl.schema import (
     GROUP,
     LOGPROBS,
     LOSS_MASK,
+    MEMBER,
     MODEL_TURNS,
     PROMPT,
     QUEUED_S,
@@ -47,10 +49,11 @@ CLAIM_POLL_S = 1.0
 class MiniBatch:
     """A claimed mini-batch, ready to train: nothing here is a view into the data plane's rows."""
 
-    batch: Batch  # the claim, to acknowledge once trained
+    batch: Batch  # the claim (or a part of it), to acknowledge once trained
     packed: TrainBatch
     summary: dict[str, torch.Tensor]  # per-row values for the step's metrics
     born: torch.Tensor  # [n] weight version of each row's first token
+    part: bool = False  # `batch` is a part of its claim: acknowledge its rows by id
 
 
 def prepare(batch: Batch, cfg: TrainerConfig) -> MiniBatch:
@@ -115,11 +118,23 @@ class Loader:
     with the one training, no more rows are held than a rank needs. Its own data-plane connection:
     a claim waiting for rows must not hold up the trainer's acknowledgements."""
 
-    def __init__(self, client: Client, claim: Claim, cfg: TrainerConfig, n: int, group_size: int) -> None:
-        """Mini-batches of `n` rows (whole groups of `group_size`) as the trainer's `claim` says (the
-        columns it trains on, and the loss mask where an environment writes multi-turn samples)."""
+    def __init__(
+        self,
+        client: Client,
+        claim: Claim,
+        cfg: TrainerConfig,
+        n: int,
+        group_size: int,
+        split: int = 1,
+        seed: int = 0,
+    ) -> None:
+        """Claims of `n` rows (whole groups of `group_size`) as the trainer's `claim` says (the columns it
+        trains on, and the loss mask where an environment writes multi-turn samples), each one mini-batch,
+        or with `split` > 1 that many, of rows drawn at random (`mixed`)."""
         self.client = client
         self.cfg = cfg
+        self.split, self.seed = split, seed
+        self.released: set[int] = set()  # claims given back (a claim in parts is given back once)
         self.stream = client.stream(
             claim.partition, claim.consumer, claim.columns, n, min_n=n, group_size=group_size, prefetch=1,
             poll=CLAIM_POLL_S, lease=3600, skip_empty=False,
@@ -147,29 +162,55 @@ class Loader:
                     return
                 if not batch:
                     continue
-                mini = prepare(batch, self.cfg)
-                while not self.stop.is_set():
-                    try:
-                        self.ready.put(mini, timeout=0.2)
-                        break
-                    except queue.Full:
-                        pass
-                else:
-                    self.client.release(batch)
-                    return
+                parts = (
+                    [batch]
+                    if self.split == 1
+                    else [batch.select(i) for i in mixed(batch, self.split, self.seed)]
+                )
+                for part in parts:
+                    mini = prepare(part, self.cfg)
+                    mini.part = part is not batch
+                    if not self._put(mini):  # stopping: the claim's rows not yet trained go back
+                        self.released.add(batch.claim)
+                        self.client.release(batch)
+                        return
         except BaseException as e:
             if not self.stop.is_set():
                 self.error = e
         finally:
             self.stream.close()  # hands back the claim in flight, if any
 
+    def _put(self, mini: MiniBatch) -> bool:
+        """Hand `mini` to the trainer (waiting while one is there); False if the loader stops first."""
+        while not self.stop.is_set():
+            try:
+                self.ready.put(mini, timeout=0.2)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def close(self) -> None:
-        """Stop claiming; what was claimed ahead and not taken goes back to the pool."""
+        """Stop claiming; what was claimed ahead and not taken goes back to the pool (a claim whose
+        first parts were trained gives back the rest)."""
         self.stop.set()
         self.thread.join()
         while not self.ready.empty():
-            self.client.release(self.ready.get_nowait().batch)
+            batch = self.ready.get_nowait().batch
+            if batch.claim not in self.released:
+                self.released.add(batch.claim)
+                self.client.release(batch)
         self.client.close()
+
+
+def mixed(batch: Batch, k: int, seed: int) -> list[list[int]]:
+    """`k` near-equal parts of `batch`'s rows drawn at random, the same in every run of the same seed:
+    the rows are put in (group, member) order first (a claim's order depends on timing), then shuffled
+    with a generator seeded by the seed and the first group."""
+    groups, members, ids = batch.meta_of(GROUP, -1), batch.meta_of(MEMBER, 0), batch.ids.tolist()
+    order = sorted(range(len(batch)), key=lambda i: (groups[i], members[i] or 0, ids[i]))
+    random.Random(seed * 1_000_003 + min(groups, default=0)).shuffle(order)
+    return [order[j::k] for j in range(k) if order[j::k]]
 
 
 def _row_means(value: torch.Tensor | Ragged) -> torch.Tensor:

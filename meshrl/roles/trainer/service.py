@@ -1,8 +1,10 @@
 """The training service: claim whole groups, update the policy, publish weights, open the gate.
 
-Every rank of the trainer replica claims its own share of each mini-batch straight from the data plane
-(consumer name "trainer", whole groups), so no rank ever forwards samples to another. A loader thread
-claims and packs the next mini-batch while the current one trains (`loader.py`). After each step
+Every rank of the trainer replica claims its own share of each step straight from the data plane
+(consumer name "trainer", whole groups), so no rank ever forwards samples to another: with
+`mix_groups` the share at once, split at random into the step's mini-batches, else a mini-batch of
+whole groups at a time. A loader thread claims and packs the next mini-batch while the current one
+trains (`loader.py`). After each step
 rank 0 publishes the new weight version to the inference replicas, which then opens the gate
 (`publish.py`), and appends the step's metrics to <run_dir>/metrics.jsonl (`report.py`).
 """
@@ -176,24 +178,28 @@ class TrainerService(Service):
                 self.samples.take(mini.batch, summary, self.version)
             if keep.any():
                 stats.append(self.train(mini, keep, summary))
-            self.client.ack(mini.batch, wait=False)  # the rows go now (retention); all used was copied
+            # the rows go now (retention); all used was copied. A part of a claim: its rows by id
+            self.client.ack(mini.batch, mini.batch.ids if mini.part else None, wait=False)
             rows.append(summary)
             wait_s += t1 - t0
             train_s += time.perf_counter() - t1
         return rows, stats, wait_s, train_s
 
     def next_minibatch(self, step: int, k: int) -> MiniBatch:
-        """This rank's share of mini-batch `k` of `step`, packed: whole groups, all columns ready. Waits
-        as long as needed; the loader has usually claimed and packed it while the one before trained."""
+        """This rank's share of mini-batch `k` of `step`, packed, all columns ready: whole groups, or with
+        `mix_groups` a random part of this rank's share of the step (claimed whole, then split). Waits as
+        long as needed; the loader has usually claimed and packed it while the one before trained."""
         self.phase(
             f"waiting for mini-batch {k + 1}/{self.config.mini_batches} of step {step + 1} (generation, scoring)"
         )
         if self.loader is None:
             cfg = self.config
-            n = self.ctx.run.batch_size // cfg.mini_batches // self.world
+            # mixed groups: one claim of the step's rows, split at random; else a claim per mini-batch
+            split = cfg.mini_batches if cfg.mix_groups else 1
+            n = self.ctx.run.batch_size // cfg.mini_batches * split // self.world
             self.loader = Loader(
                 self.ctx.client(f"{self.ctx.name}-loader"), self.ctx.wiring.claim("train"), cfg, n,
-                self.ctx.run.group_size,
+                self.ctx.run.group_size, split, self.ctx.run.seed,
             )  # fmt: skip
         while True:
             mini = self.loader.get(timeout=CLAIM_POLL_S)

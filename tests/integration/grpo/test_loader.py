@@ -33,7 +33,7 @@ def put_groups(c: Client, groups: range, *, version_width: int = 2) -> None:
             "gen_s": torch.zeros(n),
             "gen_batch": torch.zeros(n, dtype=torch.int64),
         },
-        meta=[{"group": g} for g in groups for _ in range(2)],
+        meta=[{"group": g, "member": m} for g in groups for m in range(2)],
     )
 
 
@@ -78,3 +78,29 @@ def test_a_row_the_loader_cannot_prepare_stops_training_with_its_cause(plane):
         assert isinstance(info.value.__cause__, IndexError)
         loader.close()
         assert len(claim_all(c)) == 2  # the claim it failed on is not lost
+
+
+def test_mixed_mini_batches_split_one_claim_at_random_and_give_back_only_the_untrained_rows(plane):
+    """mix_groups: the step's rows are claimed at once and split into random parts, each a part of the
+    claim acknowledged by its rows; the split is the same in every run of the seed; stopping after the
+    first part was trained gives back exactly the rest."""
+    from meshrl.roles.trainer.loader import mixed
+
+    with Client(plane.controller) as c:
+        c.create_partition(SAMPLES, 64)
+        put_groups(c, range(4))  # 8 rows: one step of 4 groups, in 2 mini-batches of 4 rows
+        loader = Loader(Client(plane.controller, name="loader"), CLAIM, CFG, 8, GROUP, split=2, seed=7)
+        first = take(loader)
+        assert first.part and len(first.batch) == 4
+        rows = first.summary["reward"].tolist()  # reward = the row's position in the put
+        assert len({int(r) // 2 for r in rows}) > 1, rows  # more than one group in the mini-batch
+        c.ack(first.batch, first.batch.ids)  # trained: acknowledged by its rows
+        loader.close()  # the second part (prepared, untrained) goes back; the first stays consumed
+        back = claim_all(c)
+        assert sorted(back.tensor("reward").tolist()) == sorted(set(range(8)) - set(rows))
+        # the same rows split the same way in whatever order they were claimed, seeded
+        parts = mixed(back, 2, 7)
+        assert sorted(i for p in parts for i in p) == list(range(4)) and parts == mixed(back, 2, 7)
+        backwards = back.select([3, 2, 1, 0])
+        rewards = lambda b, p: [sorted(b.tensor("reward")[q].tolist()) for q in p]  # noqa: E731
+        assert rewards(backwards, mixed(backwards, 2, 7)) == rewards(back, parts)
