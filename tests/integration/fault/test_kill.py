@@ -121,6 +121,26 @@ def test_killed_service_resumes_with_nothing_lost_or_repeated(tmp_path, arith_mo
     assert [m["reward_mean"] for m in metrics] == [m["reward_mean"] for m in uninterrupted]
 
 
+def test_mixed_mini_batches_lose_and_repeat_nothing_when_the_trainer_is_killed(tmp_path, arith_model):
+    """trainer.mix_groups: a step's rows are one claim, trained in random parts, each acknowledged by its
+    rows; the trainer killed mid-run resumes from its checkpoint and every sample is consumed once."""
+    run_dir = tmp_path / "run"
+    proc = start(
+        tmp_path, *common_args(arith_model), "trainer.mix_groups=true", *ON_FAILURE, f"run_dir={run_dir}"
+    )
+    deadline = time.monotonic() + 300
+    while steps_done(run_dir) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(0.05)
+    kill(run_dir, "trainer")
+    kill(run_dir, "inference")
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (tmp_path / "run.log").read_text()[-4000:]
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(STEPS))
+    tally = account(run_dir / "ledger.jsonl")
+    assert (tally.consumed, tally.pending, tally.duplicated, tally.unknown) == (STEPS * 128, 0, 0, 0), tally
+
+
 def test_a_killed_reference_restarts_alone_and_the_run_goes_on(tmp_path, arith_model):
     """A frozen scorer re-joins the running run: only its process restarts (no checkpoint, no step
     repeated), and the rows it had claimed come back when its connection closes, not after its lease."""
