@@ -207,9 +207,11 @@ class AgentsService(Service):
         acks, self.acks = self.acks, {}
         try:
             for batch, ids, delete in acks.values():
-                await self.client.ack(batch, ids)
+                # deleted first: killed between the two, a row acknowledged but not deleted would stay
+                # for good (no one claims it again); deleted and not acknowledged, its lease just ends
                 if delete:
                     await self.client.delete(batch.partition, ids)
+                await self.client.ack(batch, ids)
         except BaseException as e:
             if not self.failed.done() and not isinstance(e, asyncio.CancelledError):
                 self.failed.set_exception(e)
