@@ -34,8 +34,6 @@ accuracies (`*_greedy_after`, `greedy_before`, one answer per held-out row).
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import itertools
 import json
 import math
@@ -131,12 +129,9 @@ class Rewards:
     __name__ = "reward"
 
     def __init__(self, specs: dict[str, float]) -> None:
-        self.functions = []
-        for spec, weight in specs.items():
-            module, _, name = spec.partition(":")
-            fn = getattr(importlib.import_module(module), name)
-            batched = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
-            self.functions.append((fn, weight, batched))
+        from meshrl.roles.rollout.reward_functions import load
+
+        self.functions = [(f.fn, f.weight, f.batched) for f in load(specs)]  # imported as rollout does
         self.calls: list[tuple[float, list[float]]] = []
 
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
