@@ -16,6 +16,7 @@ commands:
   sft --model PATH --data ROWS --out PATH    supervised fine-tuning on chat or prompt/completion rows
       [section.field=value ...]              the trainer's sections: optim.lr=3e-3 lora.rank=8
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
+  scale RUN_DIR GROUP=N [GROUP=N ...]        change a running run's replica counts (inference=3)
   dashboard [RUN_DIR] [--host H] [--port P]  a run's charts, services and samples in the browser
   queue serve [...]                          run the data plane's controller / storage server
 """
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.observe.status import main as status
 
         raise SystemExit(status(rest))
+    if cmd == "scale":
+        from meshrl.commands.scale import main as scale
+
+        raise SystemExit(scale(rest))
     if cmd == "dashboard":
         from meshrl.observe.dashboard import main as dashboard
 

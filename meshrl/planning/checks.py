@@ -31,6 +31,11 @@ def problems(recipe: Recipe, devices: Sequence[Device], wiring: dict[str, Wiring
     run = RunSettings.of(recipe)
     for g in recipe.groups:
         out += [f"groups[{g.id!r}].config.{p}" for p in g.config.check(run, g, wiring[g.id])]
+    from meshrl.planning.members import fixed  # it places by these rules
+
+    for g in recipe.groups:
+        if g.restart.mode == "leave" and (why := fixed(recipe, g.id)) is not None:
+            out.append(f"groups[{g.id!r}].restart.mode: 'leave' needs a group that can shrink, and {why}")
     return out
 
 

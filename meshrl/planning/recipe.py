@@ -66,9 +66,12 @@ class ColocationRing(Config):
 
 @dataclass(frozen=True, kw_only=True)
 class RestartPolicy(Config):
-    mode: Literal["never", "on-failure"] = "never"
+    mode: Literal["never", "on-failure", "leave"] = "never"
     """"never": a failure stops the run. "on-failure": restart (up to max_restarts): the one process
-    when its service re-joins (`ServiceConfig.rejoins`), else the whole run from its latest checkpoint."""
+    when its service re-joins (`ServiceConfig.rejoins`), else the whole run from its latest checkpoint.
+    "leave" (groups that can change while the run goes on, meshrl/planning/members.py): a failed
+    replica is not restarted and the run goes on without it, smaller; its last replica's failure stops
+    the run."""
     max_restarts: int = 3
     backoff_s: float = 2.0
     """Seconds before the first restart; doubles each time."""

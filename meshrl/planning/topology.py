@@ -1,4 +1,4 @@
-"""plan(recipe, devices) -> Topology: who runs where, on which ports. A pure function.
+"""plan(recipe, devices, members) -> Topology: who runs where, on which ports. A pure function.
 
 Every launcher calls it with the same recipe and the same gathered device list and gets the same plan,
 whatever order the devices were gathered in, so nothing is ever negotiated or exchanged at run time.
@@ -7,9 +7,10 @@ Rules:
 - Devices are taken in global-rank order. Device groups are placed in recipe order, each replica on
   `devices_per_replica` consecutive devices. A colocation ring's members reuse the devices of the
   member that comes first in the recipe. CPU-only replicas (0 devices) go round-robin over launchers.
-- A launcher numbers the processes it starts (its slots) in plan order. Process ports are
-  `base_port + 2 + (index * SLOTS + slot) * PORTS + k`, k in 0..PORTS-1 (health, the replica's
-  torch.distributed master, the weight-sync group, spare), where `index` is the launcher's position
+- A launcher numbers the processes it starts (its slots) in plan order; replicas that joined the
+  running run take slots from SLOTS on (meshrl/planning/members.py). Process ports are
+  `base_port + 2 + (index * (SLOTS + EXTRA_SLOTS) + slot) * PORTS + k`, k in 0..PORTS-1 (health,
+  the replica's torch.distributed master, the weight-sync group, spare), where `index` is the launcher's position
   among the launchers of its host in rank order. Ports need only be unique per host, and they are by
   construction, also when two torchrun agents share a machine.
 - The data plane's controller runs on the host of rank 0 at `base_port`; every host runs a storage
@@ -32,8 +33,10 @@ from dataclasses import dataclass
 from meshrl.planning import checks
 from meshrl.planning.checks import devices_needed
 from meshrl.planning.config import RecipeError
+from meshrl.planning.members import EXTRA_SLOTS, Membership
 from meshrl.planning.recipe import Recipe, Scheduling
-from meshrl.planning.wiring import Peer, Ring, Weights, Wiring, wire
+from meshrl.planning.wiring import Peer, Ring, Weights, Wiring, partitions, wire
+from meshrl.schema import CHECKPOINT, CHECKPOINT_ACKS, CONTROL
 
 SLOTS = 128  # processes a launcher may start
 PORTS = 4  # ports per process
@@ -147,14 +150,15 @@ def cohosts(recipe: Recipe, topology: Topology) -> dict[str, tuple[Process, ...]
     return {name: tuple(ps) for name, ps in hosted.items()}
 
 
-def plan(recipe: Recipe, devices: Sequence[Device]) -> Topology:
-    """Who runs where, on which ports; every problem of the recipe on these devices is raised at once."""
+def plan(recipe: Recipe, devices: Sequence[Device], members: Membership | None = None) -> Topology:
+    """Who runs where, on which ports; every problem of the recipe on these devices is raised at once.
+    `members`: the replicas that joined or left the running run (meshrl/planning/members.py)."""
     devs = sorted(devices)
     wiring, found = wire(recipe)
     found += checks.problems(recipe, devs, wiring)
     if found:
         raise RecipeError(found)
-    replicas = place(recipe, devs)
+    replicas = place(recipe, devs, members or Membership())
     found = _port_problems(recipe, replicas)
     if found:
         raise RecipeError(found)
@@ -225,10 +229,12 @@ def _peer(p: Process, k: int | None = None) -> Peer:
     )  # fmt: skip
 
 
-def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:
+def place(recipe: Recipe, devs: Sequence[Device], members: Membership | None = None) -> tuple[Replica, ...]:
     """Every replica's processes: devices in recipe order (ring members reuse their leader's), CPU-only
     replicas round-robin over the launchers, slots numbered per launcher in plan order, ports from
-    each launcher's position on its host."""
+    each launcher's position on its host. A replica of the recipe that left keeps its slots (unused);
+    one that joined is where `members` placed it."""
+    members = members or Membership()
     alloc = _allocate(recipe, devs)
     world = max(1, len(devs))
     by_rank = {d.rank: d for d in devs} or {0: Device(0, "localhost", 0)}
@@ -262,13 +268,22 @@ def place(recipe: Recipe, devs: Sequence[Device]) -> tuple[Replica, ...]:
                         ports(recipe, host_index[d.rank], slot),
                     )
                 )
-            replicas.append(Replica(g.id, i, tuple(procs), ring.id if ring else None, mode))
+            if (g.id, i) not in members.left:
+                replicas.append(Replica(g.id, i, tuple(procs), ring.id if ring else None, mode))
+        for j in sorted((j for j in members.joined if j.group == g.id), key=lambda j: j.index):
+            procs = [
+                Process(g.id, j.index, w, rank, by_rank[rank].host, by_rank[rank].local_rank, j.devices,
+                        SLOTS + slot, ports(recipe, host_index[rank], SLOTS + slot))
+                for w, (rank, slot) in enumerate(j.places)
+            ]  # fmt: skip
+            replicas.append(Replica(g.id, j.index, tuple(procs), None, None))
     return tuple(replicas)
 
 
 def ports(recipe: Recipe, launcher_on_host: int, slot: int) -> tuple[int, ...]:
-    """The PORTS ports of process `slot` of the launcher at position `launcher_on_host` of its host."""
-    start = recipe.ports_from + 2 + (launcher_on_host * SLOTS + slot) * PORTS
+    """The PORTS ports of process `slot` of the launcher at position `launcher_on_host` of its host (slots
+    from SLOTS on: replicas that joined the running run)."""
+    start = recipe.ports_from + 2 + (launcher_on_host * (SLOTS + EXTRA_SLOTS) + slot) * PORTS
     return tuple(range(start, start + PORTS))
 
 
@@ -301,7 +316,7 @@ def _host_index(devs: Sequence[Device]) -> dict[int, int]:
 
 def _port_problems(recipe: Recipe, replicas: Sequence[Replica]) -> list[str]:
     found = []
-    slots = Counter(p.rank for r in replicas for p in r.processes)
+    slots = Counter(p.rank for r in replicas for p in r.processes if p.slot < SLOTS)
     crowded = sorted(r for r, n in slots.items() if n > SLOTS)
     if crowded:
         found.append(
@@ -311,10 +326,26 @@ def _port_problems(recipe: Recipe, replicas: Sequence[Replica]) -> list[str]:
     top = max((p for r in replicas for p in r.processes), key=lambda p: p.ports[-1], default=None)
     if top is not None and top.ports[-1] > 65535:
         found.append(f"base_port: {recipe.ports_from} leaves no room for the ports of {top.name}; lower it")
+    elif top is not None and top.ports[-1] - top.slot * PORTS + (SLOTS + EXTRA_SLOTS) * PORTS > 65536:
+        found.append(
+            f"base_port: {recipe.ports_from} leaves no room for replicas that join the run; lower it"
+        )
     return found
+
+
+def run_partitions(recipe: Recipe, topology: Topology) -> list[tuple[str, int, list[str]]]:
+    """(name, capacity, consumers whose acks delete a row) of every partition of the run: the control
+    and checkpoint partitions, and every partition a service writes (meshrl/planning/wiring.py)."""
+    wired = partitions(topology.wiring)
+    out: list[tuple[str, int, list[str]]] = [(CONTROL, 4096, [])]
+    for p in (CHECKPOINT, CHECKPOINT_ACKS):
+        wired.setdefault(p, [])
+    return out + [
+        (p, recipe.dataplane.capacity, retain) for p, retain in sorted(wired.items()) if p != CONTROL
+    ]
 
 
 __all__ = [
     "Device", "Process", "Replica", "Topology", "cohosts", "devices_needed", "place", "placed", "plan",
-    "ports",
+    "ports", "run_partitions",
 ]  # fmt: skip

@@ -33,14 +33,15 @@ from meshrl.dataplane.rpc_client import Wire
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.observe.follow import Follower, backlog
 from meshrl.observe.status import health
+from meshrl.planning.members import Membership
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
-from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan
-from meshrl.planning.wiring import partitions
+from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan, run_partitions
 from meshrl.runtime import ports
+from meshrl.runtime.elastic import Elastic
 from meshrl.runtime.peers import Alone, Gloo, my_address
 from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep, wait_ready
 from meshrl.runtime.zygote import Forker, ZygoteDied
-from meshrl.schema import BY, CHECKPOINT, CHECKPOINT_ACKS, CONTROL, EVENT, FAILED
+from meshrl.schema import BY, CONTROL, EVENT, FAILED
 from meshrl.state import checkpoint as ckpt
 
 log = logging.getLogger("meshrl.launch")
@@ -91,7 +92,8 @@ class Launcher:
         devices = sorted((Device(int(r), str(h), int(lr)) for g in gathered for r, h, lr in g["devices"]),
                          key=lambda d: d.rank)  # fmt: skip
         address = {str(h): str(g["address"]) for g in reversed(gathered) for _, h, _ in g["devices"]}
-        topology = plan(recipe, devices)
+        self.topology = topology = plan(recipe, devices)  # the recipe's shape (a restart starts from it)
+        self.addresses = address
         self.run_dir = recipe.resolved_run_dir.resolve()
         self.logs = self.run_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -128,6 +130,7 @@ class Launcher:
         controller = self._controller(recipe, topology, address)
         env = self._service_env(recipe, devices, controller, secret)
         env.update(MESHRL_ADDRESSES=json.dumps(address), MESHRL_LAUNCH=str(facts["launch"]))
+        self.env = env
         self._start_zygote(topology, env)  # its imports overlap the data plane's start
         zygote = [self.zygote.process] if self.zygote is not None else []
         try:
@@ -206,14 +209,14 @@ class Launcher:
         for child, _ in started:
             child.start()
             self.plane.append(child)
-        self._write_pids()
+        self.write_pids()
         for child, ready in started:
             self._wait_file(child, ready)
         self.peers.barrier()
         if self.lead:
             (self.run_dir / "dataplane.json").write_text(json.dumps({"controller": controller}) + "\n")
         if self.lead or storage:
-            partitions = _partitions(recipe, topology) if self.lead else []
+            partitions = run_partitions(recipe, topology) if self.lead else []
             run, shm_dir = _prepare_dataplane(controller, secret, partitions)
             if storage:  # this launcher's host: what is left of the run there is removed at the end
                 self.segments = (shm_dir, f"meshrl-{run}-")
@@ -262,9 +265,9 @@ class Launcher:
             child = Child(p.name, args, self.logs / f"{p.name}.log", env, p.ports[HEALTH], self.zygote)
             self.children.append(child)
             child.start()
-        self._write_pids()
+        self.write_pids()
 
-    def _write_pids(self) -> None:
+    def write_pids(self) -> None:
         zygote = [self.zygote.process] if self.zygote is not None else []
         pids = {c.name: c.pid for c in [*self.plane, *zygote, *self.children] if c.pid}
         # replaced whole on each in-place restart: a reader never sees half a file
@@ -272,6 +275,7 @@ class Launcher:
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
+        elastic = Elastic(self, self.topology, Membership()) if self.lead else None
         follower = None
         if self.lead:  # the progress line and the experiment trackers, from the run's files
             config = json.loads((self.run_dir / "config.json").read_text())
@@ -288,12 +292,16 @@ class Launcher:
                 self.signals.check()
                 if self.zygote is not None and self.zygote.process.poll() is not None:
                     return self._fail(self.zygote.process, controller, secret)
+                running += elastic.poll() if elastic is not None else []  # `meshrl scale`
                 for c in list(running):
-                    code = c.poll()
-                    if code is None or (code != 0 and self._rejoin(c)):
+                    if (code := c.poll()) is None:
+                        continue
+                    # a replica that left the run (drained, or its group's restart.mode is "leave")
+                    left = elastic is not None and elastic.ended(c, code)
+                    if not left and code != 0 and self._rejoin(c):
                         continue
                     running.remove(c)
-                    if code != 0:
+                    if code != 0 and not left:
                         return self._fail(self._cause(c), controller, secret)
                 time.sleep(0.1)
         finally:
@@ -350,7 +358,7 @@ class Launcher:
                                 "code": child.poll()}) + "\n")  # fmt: skip
         child.stop()  # closes the old log handle
         child.start()
-        self._write_pids()
+        self.write_pids()
         return True
 
     def _fail(self, child: Child, controller: str, secret: str | None) -> int:
@@ -392,18 +400,6 @@ class Launcher:
             sweep(*self.segments)
         if self.lock is not None:
             self.lock.close()  # the run directory is free for the next launch
-
-
-def _partitions(recipe: Recipe, topology: Topology) -> list[tuple[str, int, list[str]]]:
-    """(name, capacity, consumers whose acks delete a row) of every partition of the run: the control
-    and checkpoint partitions, and every partition a service writes (meshrl/planning/wiring.py)."""
-    wired = partitions(topology.wiring)
-    out: list[tuple[str, int, list[str]]] = [(CONTROL, 4096, [])]
-    for p in (CHECKPOINT, CHECKPOINT_ACKS):
-        wired.setdefault(p, [])
-    return out + [
-        (p, recipe.dataplane.capacity, retain) for p, retain in sorted(wired.items()) if p != CONTROL
-    ]
 
 
 def _prepare_dataplane(

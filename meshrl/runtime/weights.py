@@ -1,6 +1,6 @@
 """Versioned weight publication from the trainer to inference replicas over one broadcast group.
 
-Trainer rank 0 is rank 0 of the group; inference replicas are ranks 1..N, in plan order. The group is a
+Trainer rank 0 is rank 0 of the group; inference replicas are ranks 1..N, in the epoch's order. The group is a
 standalone torch.distributed process group (gloo on CPU, NCCL on GPU) with its own TCPStore on the
 trainer's weight port, so it lives beside the trainer's FSDP group without touching it.
 
@@ -17,13 +17,16 @@ version -1 at the end of training.
 This module is the group: its store, the announcements, the epochs and their process groups, re-joins
 and the failures of members.
 
-A replica that dies and is restarted re-joins: the new process finds the group already formed, asks to
-join through the store (`join/<k>`), and the trainer re-forms the group in a new epoch (every member
-builds a fresh process group under the epoch's store prefix) at its next publication, or at once with
-the version already published (`republish`). Announcements, not collectives, are where receivers
-wait, so survivors never hang on a group with a dead member: a collective that fails because a member
-died raises `GroupBroken` on the survivors, who wait for the next announcement; the trainer's `send`
-waits for the restarted member and sends the same version again.
+Members are replicas by name ("inference-1"), and the group changes while it runs. A replica that joins
+(restarted, or new: `meshrl scale`) asks to join through the store (`change/<k>`: {"join": name}); one
+gone for good (drained, or vanished where its group does not restart it) is declared so by its launcher
+(`declare_left`). The trainer applies the changes in order at its next publication, or at once with
+the version already published (its watcher), in a new epoch: the announcement lists the epoch's members
+in rank order, and each builds a fresh process group under the epoch's store prefix. Receivers wait on
+announcements, not collectives, so survivors never hang on a dead member: a collective that fails
+raises `GroupBroken`, and they wait for the next announcement; the trainer's `send` waits until the
+member is restarted or declared gone and sends the same version again (a member that joins during a
+publication gets that version next).
 """
 
 from __future__ import annotations
@@ -93,16 +96,21 @@ class WeightGroup:
         device: str = "cpu",
         shm: tuple[str, str] | None = None,
         member: Member | None = None,
+        name: str | None = None,
+        members: Sequence[str] = (),
     ) -> None:
         """`shm` (rank 0, CPU, every receiver on this host): (directory, segment name) of the shared
         memory that carries the tensors instead of the broadcast; the announcement names it. `member`
-        (receivers): the processes that receive the tensors in this one's place."""
+        (receivers): the processes that receive the tensors in this one's place. `name`: a receiver's
+        (its replica's); `members` (rank 0): theirs, in rank order as planned (default "rank<r>")."""
         self.host, self.port = host, port
         self.member = member
         self.shm = shm
         self.memory = SharedWeights(shm)  # the segment: rank 0's to fill, a receiver's mapping
         self.rank = rank
         self.world_size = world_size
+        self.name = name or f"rank{rank}"
+        self.members = list(members) or [f"rank{r}" for r in range(1, world_size)]  # rank 0: the epoch's
         self.device = torch.device(device)
         self.timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout)
@@ -110,7 +118,7 @@ class WeightGroup:
         self.epoch = 0
         self.pg: Any = None  # the epoch's process group (none with shared memory)
         self.formed = False  # this member has joined the current epoch
-        self.joins = 0  # rank 0: join requests taken into an epoch
+        self.changes = 0  # rank 0: joins and leaves taken into an epoch
         self.pending: tuple[Header, int, Sequence[torch.Tensor] | None] | None = None  # posted, unfinished
         self.watch_store: Any = None
         if rank == 0:
@@ -178,18 +186,20 @@ class WeightGroup:
 
     def _barrier(self) -> None:
         """Every member has got this far (a broadcast would only tell the root that it sent). With shared
-        memory, through the store (`store_barrier`), where the trainer gives up when a restarted replica
-        asks to join (the one missing)."""
+        memory, through the store (`store_barrier`), where the trainer gives up when a replica asks to
+        join or is declared gone (the one missing may be either)."""
+        if self.world_size == 1:  # every receiver has left
+            return
         if not self.shared:
             member = self.member
             self._collective(member.barrier if member is not None else lambda: self.pg.barrier().wait())
             return
         n = self.published
         if not store_barrier(
-            self.store, n, self.rank, self.world_size, gone=self.rejoin_pending, timeout=self.timeout
+            self.store, n, self.rank, self.world_size, gone=self.changes_pending, timeout=self.timeout
         ):
             self._drop()
-            raise GroupBroken(f"a receiver of publication {n} is gone (its restart asks to join)")
+            raise GroupBroken(f"a receiver of publication {n} is gone (restarted or declared gone)")
 
     # ---------------------------------------------------------------------------------------------------
     # rank 0: publishing
@@ -222,10 +232,11 @@ class WeightGroup:
         run on one thread, `one_thread`). They may change once this returns (None: the segment already
         holds this version). Over the broadcast they must stay until `finish` returns."""
         assert self.rank == 0 and self.pending is None
-        joining = self.store.add("joins", 0)
-        if not self.formed or joining > self.joins:  # a member re-joins (or the last epoch broke)
-            self._next_epoch(joining)
-        header: Header = {"version": version, "epoch": self.epoch, **layout(manifest, bucket_bytes)}
+        changes = self.store.add("changes", 0)
+        if not self.formed or changes > self.changes:  # a member joins or leaves (or the last epoch broke)
+            self._next_epoch(changes)
+        header: Header = {"version": version, "epoch": self.epoch, "members": list(self.members),
+                          **layout(manifest, bucket_bytes)}  # fmt: skip
         if self.shm is None:
             self._announce(header)
             self.pending = (header, bucket_bytes, tensors)
@@ -247,8 +258,8 @@ class WeightGroup:
     def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
         """Rank 0: the rest of the posted publication (the broadcast, the barrier). Returns the bytes.
 
-        If a replica is lost meanwhile, waits up to `rejoin_timeout_s` for its restart to ask to join,
-        re-forms the group and sends the same version again."""
+        If a replica is lost meanwhile, waits up to `rejoin_timeout_s` for its restart to ask to join (or
+        for its launcher to declare it gone), re-forms the group and sends the same version again."""
         while True:
             assert self.pending is not None
             header, bucket_bytes, tensors = self.pending
@@ -276,9 +287,9 @@ class WeightGroup:
                 log.warning("weight publication of version %d lost a receiver (%s); waiting %.0fs for it "
                             "to re-join", version, e, rejoin_timeout_s)  # fmt: skip
                 deadline = time.monotonic() + rejoin_timeout_s
-                while not self.rejoin_pending() and time.monotonic() < deadline:
+                while not self.changes_pending() and time.monotonic() < deadline:
                     time.sleep(0.2)
-                if not self.rejoin_pending():
+                if not self.changes_pending():
                     raise TimeoutError(
                         f"an inference replica left the weight group during version {version} and did not "
                         f"re-join within {rejoin_timeout_s:.0f}s (its restart policy may not allow it)"
@@ -292,25 +303,38 @@ class WeightGroup:
         self.published += 1
         self.store.set(f"pub/{self.published}", json.dumps(header))
 
-    def _next_epoch(self, joining: int) -> None:
-        """Rank 0: the next publication goes to a group re-formed in a new epoch, joiners included."""
+    def _next_epoch(self, changes: int) -> None:
+        """Rank 0: the next publication goes to a group re-formed in a new epoch, with the joins and
+        leaves asked for since the last one, in order (a restarted member keeps its place)."""
         self._drop()
         self.epoch += 1
-        for k in range(self.joins + 1, joining + 1):  # tell each joiner where to come in
-            self.store.set(f"join/{k}/go", json.dumps({"epoch": self.epoch, "pub": self.published + 1}))
-        self.joins = joining
-        log.info("weight group re-forms in epoch %d", self.epoch)
+        for k in range(self.changes + 1, changes + 1):
+            change = json.loads(self.store.get(f"change/{k}"))
+            if "join" in change:
+                if change["join"] not in self.members:
+                    self.members.append(change["join"])
+                # where the joiner comes in: this epoch's first announcement
+                self.store.set(f"change/{k}/go", json.dumps({"epoch": self.epoch, "pub": self.published + 1}))
+            elif change["leave"] in self.members:
+                self.members.remove(change["leave"])
+        self.changes = changes
+        self.world_size = 1 + len(self.members)
+        log.info(
+            "weight group re-forms in epoch %d: %s", self.epoch, ", ".join(self.members) or "no receivers"
+        )
 
-    def rejoin_pending(self) -> bool:
-        """Rank 0: a restarted replica has asked to join and is waiting for the next publication."""
-        return self.store.add("joins", 0) > self.joins
+    def changes_pending(self) -> bool:
+        """Rank 0: a replica has asked to join, or was declared gone, since the current epoch formed."""
+        return self.store.add("changes", 0) > self.changes
 
-    def wait_for_join(self, k: int) -> None:
-        """Rank 0, for one watcher thread: block until the k-th join request has been made. On a store
-        client of its own: a blocking wait holds its client, and `send` goes on meanwhile."""
+    def wait_for_change(self, k: int) -> dict[str, str]:
+        """Rank 0, for one watcher thread: block until the k-th join or leave has been asked for, and
+        return it ({"join": name} or {"leave": name}). On a store client of its own: a blocking wait
+        holds its client, and `send` goes on meanwhile."""
         if self.watch_store is None:
             self.watch_store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
-        _wait_key(self.watch_store, f"join/{k}")
+        _wait_key(self.watch_store, f"change/{k}")
+        return dict(json.loads(self.watch_store.get(f"change/{k}")))
 
     def close(self) -> None:
         """Rank 0: tell every receiver that no more versions will come (its `wait` returns version -1)."""
@@ -322,11 +346,12 @@ class WeightGroup:
     # ranks 1..N: receiving
 
     def _ask_to_join(self) -> None:
-        """A restarted replica: the others formed the group long ago; ask the trainer to re-form it."""
-        k = self.store.add("joins", 1)
-        self.store.set(f"join/{k}", str(self.rank))
-        _wait_key(self.store, f"join/{k}/go")
-        go = json.loads(self.store.get(f"join/{k}/go"))
+        """A restarted or new replica: the others formed the group already; ask the trainer to re-form
+        it with this one (its rank comes with the epoch's first announcement)."""
+        k = self.store.add("changes", 1)
+        self.store.set(f"change/{k}", json.dumps({"join": self.name}))
+        _wait_key(self.store, f"change/{k}/go")
+        go = json.loads(self.store.get(f"change/{k}/go"))
         self.epoch, self.published = go["epoch"], go["pub"] - 1
         log.info("re-joining the weight group in epoch %d", self.epoch)
 
@@ -339,6 +364,10 @@ class WeightGroup:
         self.published += 1
         if header["version"] >= 0 and (not self.formed or header["epoch"] != self.epoch):
             self._drop()
+            members = header.get("members", self.members)
+            if self.name not in members:
+                raise RuntimeError(f"{self.name} was taken out of the weight group (declared gone)")
+            self.rank, self.world_size = 1 + members.index(self.name), 1 + len(members)
             self._form(header["epoch"])
         return header
 
@@ -385,6 +414,13 @@ class WeightGroup:
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._broadcast(buf)
         return buf
+
+
+def declare_left(host: str, port: int, name: str, timeout_s: float = 10.0) -> None:
+    """Receiver `name` of the group at (host, port) is gone for good (its launcher says so)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    k = store.add("changes", 1)
+    store.set(f"change/{k}", json.dumps({"leave": name}))
 
 
 def process_group(store: Any, rank: int, world_size: int, device: torch.device, timeout: timedelta) -> Any:

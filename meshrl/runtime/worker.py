@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshrl.lifetime import die_with_parent
+from meshrl.planning.members import Membership
 from meshrl.planning.recipe import Recipe, RunSettings, load_recipe, service_class
 from meshrl.planning.topology import Device, Topology, plan
 
@@ -50,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     recipe = load_recipe(os.environ["MESHRL_RECIPE"], json.loads(os.environ.get("MESHRL_OVERRIDES", "[]")))
     devices = [Device(*d) for d in json.loads(os.environ["MESHRL_DEVICES"])]
-    topology = plan(recipe, devices)
+    # the run's shape when this process started (replicas that joined or left: meshrl/planning/members.py)
+    topology = plan(
+        recipe, devices, Membership.from_json(json.loads(os.environ.get("MESHRL_MEMBERS", "null")))
+    )
 
     # heavy imports (torch, transformers; done already in a zygote's child) only from here on
     from meshrl.runtime import hybrid

@@ -118,6 +118,7 @@ class InferenceService(Service):
             model=None if self.trainer is None else self.trainer.engine.model, adapters=link.adapters,
         )  # fmt: skip
         self.batches = self.generated = self.aborted = 0
+        ctx.health.info.update(batches=0, generated=0)  # a joining replica has joined at its first row
         self.busy_s = 0.0  # generating, from the first batch's start to the last's end (logged at close)
         self.span: tuple[float, float] | None = None
         self.intervals: list[tuple[float, float]] = []  # each batch's (start, end), wall clock
@@ -132,6 +133,7 @@ class InferenceService(Service):
                 WeightGroup(
                     ctx.address(source.host), source.port, 1 + members.index(ctx.replica.name),
                     1 + len(members), device=str(ctx.device), member=self.engine.weight_member(),
+                    name=ctx.replica.name,
                 )
             )  # fmt: skip
 
@@ -158,6 +160,9 @@ class InferenceService(Service):
 
             self.ring.on_preempt = on_preempt
             self.acquiring = self.ring.acquire_async(loop)
+        if self.engine.version < 0:  # joining a running run: hold the current version before any row
+            self.phase("waiting for the current weights")
+            await self.loop.run_in_executor(None, self.receiver.wait_newer, -1)
         client = await AsyncClient.connect(self.ctx.controller, secret=self.ctx.secret, name=self.ctx.name)
         pending = {port: asyncio.create_task(self.claim(client, port)) for port in PORTS}
         run_over = asyncio.create_task(self.watch_run(client))
@@ -181,9 +186,14 @@ class InferenceService(Service):
                 self.idle_phase()
                 for port, task in list(pending.items()):
                     if task.done():
+                        del pending[port]
                         batch = task.result()
                         if batch:
                             await self.serve_rows(client, Waiting(port, batch, list(range(len(batch)))))
+                # claim again, unless rows of this port wait for a version: one batch parked at most,
+                # so the other replicas take the rest (held here, they would wait for this one)
+                for port in PORTS:
+                    if port not in pending and not any(w.port == port for w in self.waiting):
                         pending[port] = asyncio.create_task(self.claim(client, port))
             run_over.result()  # a failure elsewhere in the run
         finally:
@@ -212,12 +222,8 @@ class InferenceService(Service):
             t0 = time.perf_counter()
             columns = self.generate(work.batch, ready, evaluation=work.port == "evaluate")
             if work.port == "evaluate":
-                self.log.info(
-                    "%d evaluation rows with version %d in %.1f s",
-                    len(ready),
-                    version,
-                    time.perf_counter() - t0,
-                )
+                elapsed = time.perf_counter() - t0
+                self.log.info("%d evaluation rows with version %d in %.1f s", len(ready), version, elapsed)
             self.safe_point()
             ids = work.batch.ids[ready]
             await put_missing_async(client, work.batch.partition, columns, ids)

@@ -68,7 +68,15 @@ class Publisher:
         if pool is not None and over_shared_memory(ctx.device.type, ctx.process, link.receiving):
             shm = (pool.directory, f"{pool.prefix}-weights")
         host, port = link.endpoint.host, link.endpoint.port
-        return WeightGroup(ctx.address(host), port, 0, 1 + len(link.members), device=str(ctx.device), shm=shm)
+        return WeightGroup(
+            ctx.address(host),
+            port,
+            0,
+            1 + len(link.members),
+            device=str(ctx.device),
+            shm=shm,
+            members=link.members,
+        )
 
     def publish(self, version: int, *, final: bool, gate: bool = True) -> float:
         """Publish the current weights as `version` and open the gate for it (every rank calls it: the
@@ -126,14 +134,16 @@ class Publisher:
         self.publish_s = time.perf_counter() - t0
 
     def watch_rejoins(self) -> None:
-        """Thread (rank 0): an inference replica restarted on its own asks to re-join the weight group;
-        send it the version already published, on the publisher thread, so it can serve at once (in
-        lock-step the trainer may be waiting for the very samples that replica was generating)."""
+        """Thread (rank 0): an inference replica restarted on its own, or new (`meshrl scale`), asks to
+        join the weight group; send it the version already published, on the publisher thread, so it
+        can serve at once (in lock-step the trainer may be waiting for the very samples that replica was
+        generating). One that leaves is taken out at the next publication."""
         assert self.weights is not None
         asked = 0
         while True:
             asked += 1
-            self.weights.wait_for_join(asked)
+            if "join" not in self.weights.wait_for_change(asked):
+                continue
             with self.lock:
                 try:
                     self.queued = self.executor.submit(self._resend, self.queued)
@@ -146,7 +156,7 @@ class Publisher:
         assert self.weights is not None
         if before is not None:
             before.result()  # done already (one worker, in order): its failure must not be lost
-        if self.published is None or not self.weights.rejoin_pending():
+        if self.published is None or not self.weights.changes_pending():
             return
         version, tensors = self.published
         log.info("sending weights version %d again for a re-joined inference replica", version)

@@ -107,12 +107,12 @@ def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path, tra
         lost.wait()
         lost = receiver(port, 2)
         procs.append(lost)
-        group.wait_for_join(2)  # what the trainer's watcher thread does
-        assert group.rejoin_pending()
+        group.wait_for_change(2)  # what the trainer's watcher thread does
+        assert group.changes_pending()
         group.send(1, MANIFEST, tensors(1), bucket_bytes=BUCKET)
         assert line(lost) == {"joined": 2}
         assert line(lost) == line(survivor) == {"version": 1, "epoch": 2, "ok": True}
-        assert not group.rejoin_pending()
+        assert not group.changes_pending()
 
         group.send(2, MANIFEST, tensors(2), bucket_bytes=BUCKET)  # and the re-formed group goes on as before
         assert line(lost) == line(survivor) == {"version": 2, "epoch": 2, "ok": True}
