@@ -2,13 +2,14 @@
 
     meshrl scale runs/grpo_arith inference=3
     [meshrl] inference: 1 -> 3 replicas (joining: inference-1-0, inference-2-0)
-    [meshrl] inference-1-0 generated its first row 2.4 s after the request
+    [meshrl] inference-1-0 joined 0.4 s after the request   # its first generated row
     ...
 
 The run's launcher makes the change (meshrl/runtime/elastic.py) or refuses it in one line, and nothing
-changes. The command waits until every joining replica has generated its first row (or scored it) and
-every leaving one has ended, up to `--timeout` seconds (0: not at all). Exit code 0 when the change was
-made, 1 when it was refused or did not finish in time, 2 for a bad command line.
+changes. The command waits until every joining replica has joined (an inference replica: generated its
+first row; another: runs) and every leaving one has ended, up to `--timeout` seconds (0: not at all).
+Exit code 0 when the change was made, 1 when it was refused or did not finish in time, 2 for a bad
+command line.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def _show(said: dict[str, Any], shown: set[str]) -> None:
     for name, s in said.get("join_s", {}).items():
         if name not in shown:
             shown.add(name)
-            print(f"[meshrl] {name} took its first row {s:.1f} s after the request", flush=True)
+            print(f"[meshrl] {name} joined {s:.1f} s after the request", flush=True)
     for name in said.get("gone", []):
         if name not in shown:
             shown.add(name)

@@ -130,6 +130,13 @@ def _hybrid_weights(
             )
 
 
+def _spare_devices_used(recipe: Recipe) -> bool:
+    """Whether devices beyond the recipe's can serve: a device group that can grow (`meshrl scale`)."""
+    from meshrl.planning.members import fixed
+
+    return any(g.devices_per_replica and fixed(recipe, g.id) is None for g in recipe.groups)
+
+
 def _device_count(recipe: Recipe, available: int) -> Iterator[str]:
     need = devices_needed(recipe)
     demand = ", ".join(
@@ -137,7 +144,7 @@ def _device_count(recipe: Recipe, available: int) -> Iterator[str]:
     )
     if available and need > available:
         yield f"groups: the recipe needs {need} devices ({demand}), only {available} available"
-    elif available and 0 < need < available:
+    elif available and 0 < need < available and not _spare_devices_used(recipe):
         yield (
             f"groups: {available} devices but the recipe uses {need} ({demand}); "
             f"run with {need} devices or add replicas"

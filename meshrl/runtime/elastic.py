@@ -173,14 +173,14 @@ class Elastic:
     # joins and departures
 
     def _joins(self) -> None:
-        """A joined replica has joined once it has generated (or scored) its first row."""
+        """A replica has joined once it has generated its first row (inference), or once it runs."""
         children = {c.name: c for c in self.launcher.children}
         for name, (asked_at, change) in list(self.joining.items()):
             child = children.get(name)
             h = child.health(timeout=0.2) if child is not None else None
             if child is None or child.poll() is not None:
                 del self.joining[name]
-            elif h is not None and (h.get("generated") or h.get("rows") or 0) > 0:
+            elif h is not None and h.get("state") == "running" and h.get("generated", 1) > 0:
                 change["join_s"][name] = round(time.time() - asked_at, 3)
                 del self.joining[name]
                 self._save()

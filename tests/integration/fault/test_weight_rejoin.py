@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrl.runtime.weights import WeightGroup
+from meshrl.runtime.weights import WeightGroup, declare_left
 from tests.conftest import free_base_port
 
 REPO = Path(__file__).resolve().parents[3]
@@ -33,7 +33,7 @@ import json, os, sys
 import torch
 from meshrl.runtime.weights import GroupBroken, WeightGroup
 port, rank = int(sys.argv[1]), int(sys.argv[2])
-group = WeightGroup("127.0.0.1", port, rank, 3, timeout_s=60)
+group = WeightGroup("127.0.0.1", port, rank, 3, timeout_s=60, name=sys.argv[3] if len(sys.argv) > 3 else None)
 print(json.dumps({"joined": group.epoch}), flush=True)
 while True:
     header = group.wait()
@@ -55,9 +55,9 @@ def tensors(version: int) -> list[torch.Tensor]:
     return [torch.full((1000,), float(version)), torch.full((3, 7), version * 10, dtype=torch.int64)]
 
 
-def receiver(port: int, rank: int) -> subprocess.Popen[str]:
+def receiver(port: int, rank: int, name: str = "") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", RECEIVER, str(port), str(rank)], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", RECEIVER, str(port), str(rank), *([name] if name else [])], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
 
@@ -119,6 +119,56 @@ def test_a_killed_receiver_is_replaced_and_the_group_reforms(tmp_path: Path, tra
         group.close()
         assert survivor.wait(timeout=30) == 0 and lost.wait(timeout=30) == 0
         assert not list(tmp_path.glob("meshrl-test-weights*"))  # the segment goes with the group
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "shm"])
+def test_members_join_and_leave_during_a_publication(tmp_path: Path, transport: str) -> None:
+    """The group changes shape while the trainer publishes: a new replica that asks to join during a
+    publication gets that version next, in a new epoch; a member that vanishes during one (SIGKILL, not
+    restarted) and is declared gone by its launcher does not hang the trainer, and the next epochs go
+    on without it; a member drained between publications leaves without a hitch."""
+    port = free_base_port()
+    stays, vanishes = receiver(port, 1), receiver(port, 2)
+    procs = [stays, vanishes]
+    shm = (str(tmp_path), "meshrl-test-weights") if transport == "shm" else None
+    try:
+        group = WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60, shm=shm)
+        assert line(stays) == line(vanishes) == {"joined": 0}
+        group.send(0, MANIFEST, tensors(0), bucket_bytes=BUCKET)
+        assert line(stays) == line(vanishes) == {"version": 0, "epoch": 0, "ok": True}
+
+        # during publication 1: a new member asks to join, another vanishes and is declared gone
+        group.post(1, MANIFEST, tensors(1), bucket_bytes=BUCKET)
+        joins = receiver(port, 3, "inference-7")  # its rank comes with its epoch
+        procs.append(joins)
+        assert group.wait_for_change(1) == {"join": "inference-7"}  # it has asked (the watcher's wait)
+        vanishes.send_signal(signal.SIGKILL)
+        vanishes.wait()
+        declare_left("127.0.0.1", port, "rank2")
+        group.finish(rejoin_timeout_s=60)  # returns: it never waits for the one that is gone
+        if group.changes_pending():  # it reached everyone first (shared memory): the watcher sends it again
+            group.send(1, MANIFEST, tensors(1), bucket_bytes=BUCKET)
+        assert group.members == ["rank1", "inference-7"] and group.world_size == 3
+        assert line(joins) == {"joined": 1}
+        seen = line(stays)
+        if seen in ({"broken": 1}, {"version": 1, "epoch": 0, "ok": True}):  # the first try, in epoch 0
+            seen = line(stays)
+        assert seen == line(joins) == {"version": 1, "epoch": 1, "ok": True}
+
+        # drained between publications: its launcher declares it gone once it has ended
+        joins.send_signal(signal.SIGTERM)
+        joins.wait()
+        declare_left("127.0.0.1", port, "inference-7")
+        group.send(2, MANIFEST, tensors(2), bucket_bytes=BUCKET, rejoin_timeout_s=60)
+        assert group.members == ["rank1"] and group.epoch == 2
+        assert line(stays) == {"version": 2, "epoch": 2, "ok": True}
+        group.close()
+        assert stays.wait(timeout=30) == 0
     finally:
         for p in procs:
             if p.poll() is None:

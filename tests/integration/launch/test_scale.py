@@ -1,0 +1,124 @@
+"""A running run changes shape (real processes): `meshrl scale` grows and shrinks inference and agents
+groups, a replica that vanishes where its group's restart.mode is "leave" leaves the run smaller, and
+requests the run cannot honour are refused in one line; the ledger shows every sample generated and
+trained exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshrl.dataplane.ledger import account
+from tests.integration.fault.test_kill import pid_of, start, steps_done
+from tests.integration.grpo.test_grpo import REPO, rows
+
+SIM = str(REPO / "recipes" / "pipeline_sim.py")
+BATCH = 16 * 8
+FAST = ["inference.replicas=1", "inference.restart.mode=leave", "rollout.window=1", "inference.max_batch=4",
+        "inference.max_new_tokens=200", "inference.sim.token_s=0.001", "inference.sim.median_tokens=20",
+        "inference.sim.sigma=0.25", "trainer.sim.token_s=2e-6"]  # fmt: skip
+
+
+def scale(run_dir: Path, *asked: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "meshrl.cli", "scale", str(run_dir), *asked], capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=180,
+    )  # fmt: skip
+
+
+def wait_steps(proc: subprocess.Popen[str], run_dir: Path, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_done(run_dir) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, (run_dir.parent / "run.log").read_text()[
+            -3000:
+        ]
+        time.sleep(0.05)
+
+
+def exactly_once(run_dir: Path, steps: int) -> None:
+    trained = account(run_dir / "ledger.jsonl", "samples", "trainer")
+    generated = account(run_dir / "ledger.jsonl", "samples", "inference")
+    assert (trained.consumed, trained.pending, trained.duplicated, trained.unknown) == (
+        steps * BATCH,
+        0,
+        0,
+        0,
+    ), trained
+    assert generated.duplicated == 0, generated
+    assert not (run_dir / "restarts.jsonl").exists()  # no restart, in place or whole
+
+
+def test_inference_grows_shrinks_and_survives_a_vanished_replica(tmp_path: Path, tiny_model: Path) -> None:
+    steps, run_dir = 14, tmp_path / "run"
+    proc = start(
+        tmp_path, f"*.model={tiny_model}", *FAST, f"total_steps={steps}", f"run_dir={run_dir}", recipe=SIM
+    )
+    try:
+        wait_steps(proc, run_dir, 2)
+        # refused, and nothing changes: one line each
+        for asked, why in [
+            (
+                "trainer=2",
+                "refused: trainer publishes the weights and takes the checkpoints: one replica, fixed at start",
+            ),
+            ("inference=0", "refused: inference: at least one replica (asked for 0)"),
+            ("teacher=2", "refused: no group 'teacher' in this run (groups: rollout, inference, trainer)"),
+        ]:
+            r = scale(run_dir, asked)
+            assert (r.returncode, r.stdout.strip()) == (1, f"[meshrl] {why}"), r
+        assert scale(run_dir, "inference=two").returncode == 2
+        r = scale(run_dir, "inference=3")
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == "[meshrl] inference: 1 -> 3 replicas (joining: inference-1-0, inference-2-0)"
+        assert sorted(line.split(" joined ")[0] for line in lines[1:]) == [
+            "[meshrl] inference-1-0",
+            "[meshrl] inference-2-0",
+        ]
+        wait_steps(proc, run_dir, 6)
+        os.kill(pid_of(run_dir, "inference-2"), signal.SIGKILL)  # not restarted: the run goes on with two
+        wait_steps(proc, run_dir, 9)
+        r = scale(run_dir, "inference=1")
+        assert r.returncode == 0 and r.stdout.splitlines() == [
+            "[meshrl] inference: 2 -> 1 replicas (leaving: inference-1-0)",
+            "[meshrl] inference-1-0 has left",
+        ], r.stdout + r.stderr
+        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    exactly_once(run_dir, steps)
+    members = json.loads((run_dir / "members.json").read_text())
+    assert members["replicas"]["inference"] == 1
+    assert [(c["why"], c["replicas"], c["joined"], c["left"], c["gone"]) for c in members["changes"]] == [
+        ("scale", {"inference": [1, 3]}, ["inference-1-0", "inference-2-0"], [], []),
+        ("vanished", {"inference": [3, 2]}, [], ["inference-2-0"], ["inference-2-0"]),
+        ("scale", {"inference": [2, 1]}, [], ["inference-1-0"], ["inference-1-0"]),
+    ]
+    assert all(s < 10 for s in members["changes"][0]["join_s"].values()), members["changes"][0]
+    # each joined replica generated rows, with the current weights (the weight group took them in)
+    for name in ("inference-1-0", "inference-2-0"):
+        log = (run_dir / "logs" / f"{name}.log").read_text()
+        assert "re-joining the weight group" in log
+    (trainer,) = (run_dir / "logs").glob("trainer-0-*.log")
+    epochs = [
+        line.split("re-forms in ")[1] for line in trainer.read_text().splitlines() if "re-forms in" in line
+    ]
+    assert epochs[:2] == [
+        "epoch 1: inference-0, inference-1",
+        "epoch 2: inference-0, inference-1, inference-2",
+    ]
+    assert epochs[-1].endswith(": inference-0"), epochs  # the vanished and the drained one are out
+    assert "inference-0-0" in json.loads((run_dir / "pids-0.json").read_text())  # the pids file follows
+
+
+def test_a_scale_request_without_a_running_run_says_so(tmp_path: Path) -> None:
+    r = scale(tmp_path, "inference=2")
+    assert (r.returncode, r.stderr.strip()) == (1, f"meshrl scale: no run is running in {tmp_path}")
