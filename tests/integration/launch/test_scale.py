@@ -111,10 +111,7 @@ def test_inference_grows_shrinks_and_survives_a_vanished_replica(tmp_path: Path,
     epochs = [
         line.split("re-forms in ")[1] for line in trainer.read_text().splitlines() if "re-forms in" in line
     ]
-    assert epochs[:2] == [
-        "epoch 1: inference-0, inference-1",
-        "epoch 2: inference-0, inference-1, inference-2",
-    ]
+    assert any(e.endswith(": inference-0, inference-1, inference-2") for e in epochs), epochs
     assert epochs[-1].endswith(": inference-0"), epochs  # the vanished and the drained one are out
     assert "inference-0-0" in json.loads((run_dir / "pids-0.json").read_text())  # the pids file follows
 
