@@ -153,6 +153,11 @@ class AsyncClient:
         msg = P.Ack(batch.partition, batch.consumer, batch.claim, ids=subset)
         return int((await self._call(msg, self.timeout)).n)
 
+    async def release(self, batch: Batch) -> None:
+        """Give a claim's unacknowledged rows back: they are the next ones this consumer name gets."""
+        if batch.claim:
+            await self._call(P.Release(batch.partition, batch.consumer, batch.claim), self.timeout)
+
     async def renew(self, batch: Batch, lease: float) -> None:
         await self._call(P.Renew(batch.partition, batch.consumer, batch.claim, lease), self.timeout)
 

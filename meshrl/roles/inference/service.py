@@ -7,16 +7,14 @@ first; an evaluation's rows are claimed together and generated in one call with 
 evaluate (new weights wait for it), so in lock-step an evaluation runs while the trainer trains. Every prompt row
 carries `min_version` in its metadata, the oldest weight version it may be generated with: this is where
 the rollout's pacing window is enforced. Rows whose version has not been published yet stay claimed
-(their lease renewed) and are generated the moment it arrives; the others are generated at once. Rows
-are acknowledged as they are done, so part of a claim can finish before the rest.
+(their lease renewed); when it arrives, one batch of them is generated and the rest go back to the pool
+for the other replicas; the others are generated at once. Rows are acknowledged as they are done.
 
 New weights arrive on a thread of their own (`receive.py`, with the two interrupt modes). Every
-completion records the versions of its first and last tokens.
-
-A replica restarted on its own (restart policy on-failure) re-joins: the prompts its predecessor had
-claimed came back when its connection closed, it asks the trainer for the current weights and serves
-nothing until they arrive, and rows its predecessor wrote but had not acknowledged keep their first
-completion.
+completion records the versions of its first and last tokens. A replica restarted on its own, or new
+(`meshrl scale`), joins: the prompts a predecessor had claimed came back when its connection closed, it
+asks the trainer for the current weights and claims nothing until they arrive, and rows a predecessor
+wrote but had not acknowledged keep their first completion.
 """
 
 from __future__ import annotations
@@ -186,14 +184,9 @@ class InferenceService(Service):
                 self.idle_phase()
                 for port, task in list(pending.items()):
                     if task.done():
-                        del pending[port]
                         batch = task.result()
                         if batch:
                             await self.serve_rows(client, Waiting(port, batch, list(range(len(batch)))))
-                # claim again, unless rows of this port wait for a version: one batch parked at most,
-                # so the other replicas take the rest (held here, they would wait for this one)
-                for port in PORTS:
-                    if port not in pending and not any(w.port == port for w in self.waiting):
                         pending[port] = asyncio.create_task(self.claim(client, port))
             run_over.result()  # a failure elsewhere in the run
         finally:
@@ -233,12 +226,20 @@ class InferenceService(Service):
             self.waiting.append(work)
 
     async def serve_waiting(self, client: AsyncClient) -> None:
+        """Generate the parked rows the current version may serve, one batch of training rows at most;
+        the rest go back to the pool, to idle replicas (else this one would generate them alone)."""
         waiting, self.waiting = self.waiting, []
+        budget = self.config.max_batch
         for work in waiting:
+            needs = work.batch.meta_of(MIN_VERSION, 0)
+            ready = sum(int(needs[i] or 0) <= self.engine.version for i in work.rows)
+            if work.port == "generate" and ready and budget <= 0:
+                await client.release(work.batch)
+                continue
+            budget -= ready if work.port == "generate" else 0
             await self.serve_rows(client, work)
-        now = time.monotonic()
         for work in self.waiting:  # still waiting: keep the rows ours
-            if now - work.renewed > LEASE_S / 3:
+            if (now := time.monotonic()) - work.renewed > LEASE_S / 3:
                 await client.renew(work.batch, LEASE_S)
                 work.renewed = now
 

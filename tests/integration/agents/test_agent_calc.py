@@ -159,3 +159,33 @@ def test_meshrl_eval_plays_the_held_out_trajectories(tmp_path: Path, format_mode
     assert result["greedy/tool_calls_mean"] >= 0.5 and 0 <= result["greedy/tool_success"] <= 1, result
     again = meshrl_eval()  # greedy and sampled turns are seeded as a run's evaluation: the same trajectories
     assert same_report(again, result)
+
+
+def test_agents_replicas_join_and_leave_a_running_run(tmp_path: Path, format_model: Path) -> None:
+    """`meshrl scale` grows the agents group to two replicas and shrinks it back while trajectories are
+    in flight: the leaving replica's trajectories return to the pool and are played on the other (an
+    environment's resume from their last call row), so each ends as one sample, trained once."""
+    from tests.integration.launch.test_scale import scale, wait_steps
+
+    steps, run_dir = 8, tmp_path / "run"
+    proc = start(tmp_path, f"*.model={format_model}", f"total_steps={steps}", "agents.restart.mode=leave",
+                 f"run_dir={run_dir}", recipe=RECIPE)  # fmt: skip
+    try:
+        wait_steps(proc, run_dir, 1)
+        r = scale(run_dir, "agents=2")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.splitlines()[0] == "[meshrl] agents: 1 -> 2 replicas (joining: agents-1-1)"
+        wait_steps(proc, run_dir, 4)
+        r = scale(run_dir, "agents=1")
+        assert r.returncode == 0 and "[meshrl] agents-1-1 has left" in r.stdout, r.stdout + r.stderr
+        assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    assert "trajectories" in (run_dir / "logs" / "agents-1-1.log").read_text()  # it did play some
+    tally = account(run_dir / "ledger.jsonl")
+    produced = steps * BATCH
+    assert (tally.produced, tally.consumed, tally.pending, tally.duplicated) == (produced, produced, 0, 0), tally
+    assert not (run_dir / "restarts.jsonl").exists()
