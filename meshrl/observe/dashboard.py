@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from meshrl.observe.follow import is_signal
-from meshrl.observe.status import collect, latest_run
+from meshrl.observe.status import changes, collect, latest_run, members
 
 PAGE = Path(__file__).with_name("dashboard.html")
 SAMPLES_SHOWN = 24
@@ -130,6 +130,7 @@ def state(run_dir: Path, live: Live) -> dict[str, Any]:
         "critic": read_rows(run_dir / "critic.jsonl"),
         "samples": read_rows(run_dir / "samples.jsonl")[-SAMPLES_SHOWN:],
         "restarts": read_rows(run_dir / "restarts.jsonl"),
+        "changes": changes(members(run_dir)),
         **live.snapshot(),
         "topology": _services(run_dir),
     }

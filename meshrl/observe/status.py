@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,7 +77,32 @@ def collect(run_dir: Path) -> dict[str, Any]:
     restarts = run_dir / "restarts.jsonl"
     resumes = len(restarts.read_text().splitlines()) if restarts.exists() else 0
     return {"run_dir": str(run_dir), "services": services, "dataplane": plane, "rings": rings,
-            "ledger": ledger, "resumes": resumes}  # fmt: skip
+            "ledger": ledger, "resumes": resumes, "members": members(run_dir)}  # fmt: skip
+
+
+def members(run_dir: Path) -> dict[str, Any]:
+    """The run's replicas per group and every change of its shape (`members.json`, written by the lead
+    launcher: meshrl/runtime/elastic.py); empty before the run is ready."""
+    try:
+        return dict(json.loads((run_dir / "members.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def changes(members: dict[str, Any]) -> list[str]:
+    """One line per change of the run's shape."""
+    out = []
+    for c in members.get("changes", []):
+        sizes = ", ".join(f"{g} {a} -> {b}" for g, (a, b) in c["replicas"].items())
+        what = [
+            f"joined {n}" + (f" ({c['join_s'][n]:.1f}s)" if n in c["join_s"] else " (joining)")
+            for n in c["joined"]
+        ]
+        what += [f"left {n}" + ("" if n in c["gone"] else " (draining)") for n in c["left"]]
+        at = time.strftime("%H:%M:%S", time.localtime(c["time"]))
+        line = f"{at}  {c['why']:<9}{sizes}: {', '.join(what)}"
+        out.append(line + (f" (exit code {c['code']})" if "code" in c else ""))
+    return out
 
 
 def recipe_rings(run_dir: Path) -> list[dict[str, Any]]:
@@ -184,6 +210,10 @@ def render(status: dict[str, Any]) -> str:
             lines.append(f"{r['id']:<12}{holder:<38}{r['turns']:>6}  {r['fallback'] or '-':<12}{asking}")
     if versions:
         lines += ["", f"weight version: {max(versions)}"]
+    shape = status.get("members") or {}
+    if shape.get("changes"):
+        now = ", ".join(f"{g} {n}" for g, n in shape["replicas"].items())
+        lines += ["", f"replicas: {now}; changes of the run's shape:", *("  " + c for c in changes(shape))]
     ledger = status.get("ledger") or {}
     if ledger:
         lines += [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,6 +115,17 @@ def test_inference_grows_shrinks_and_survives_a_vanished_replica(tmp_path: Path,
     assert any(e.endswith(": inference-0, inference-1, inference-2") for e in epochs), epochs
     assert epochs[-1].endswith(": inference-0"), epochs  # the vanished and the drained one are out
     assert "inference-0-0" in json.loads((run_dir / "pids-0.json").read_text())  # the pids file follows
+    # `meshrl status` shows the run's shape and every change (the dashboard shows the same lines)
+    status = subprocess.run([sys.executable, "-m", "meshrl.cli", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60).stdout  # fmt: skip
+    shape = status[status.index("replicas: ") :].splitlines()
+    assert shape[0] == "replicas: rollout 1, inference 1, trainer 1; changes of the run's shape:", status
+    assert re.fullmatch(
+        r"  \S+  scale    inference 1 -> 3: joined inference-1-0 \(\d+\.\ds\), joined inference-2-0 \(\d+\.\ds\)",
+        shape[1],
+    )
+    assert shape[2].endswith("vanished inference 3 -> 2: left inference-2-0 (exit code -9)"), shape
+    assert shape[3].endswith("scale    inference 2 -> 1: left inference-1-0"), shape
 
 
 def test_a_scale_request_without_a_running_run_says_so(tmp_path: Path) -> None:
