@@ -149,7 +149,7 @@ def _join(
     else:
         launchers = sorted({r for r, _ in ranks}) or [0]
         owners = [launchers[index % len(launchers)]]
-    places = []
+    places: list[tuple[int, int]] = []
     for rank in owners:
         taken = {s for j in members.joined for r, s in j.places if r == rank} | {
             s for r, s in places if r == rank
@@ -165,7 +165,8 @@ def _join(
 def used_devices(recipe: Recipe, members: Membership) -> set[int]:
     """Device ranks held by a live replica: the recipe's, in recipe order (ring members reuse their
     leader's; one that left still holds its place) and the joined ones'."""
-    used, at = set(), 0
+    used: set[int] = set()
+    at = 0
     for g in recipe.groups:
         if not g.devices_per_replica or ring_leader(recipe, g.id) is not None:
             continue

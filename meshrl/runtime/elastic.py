@@ -6,9 +6,10 @@
 requests between its checks of the services (`Elastic.poll`): the planner's pure functions
 (`meshrl/planning/members.py`) give the new membership, or the one line that says why not, and the
 launcher starts the processes of the replicas that join (with the membership in their environment, so
-they plan the same run) and drains those that leave: SIGTERM, so the rows a leaving replica claimed go
-back to the pool when its connection closes, and once it has ended, it is declared gone to the weight
-group (`meshrl.runtime.weights.declare_left`). A joining inference replica asks the trainer to join
+they plan the same run) and drains those that leave: SIGUSR2 (`Service.leave`: an inference replica
+finishes the batch it generates and hands back the rows it parked; another ends at once, and what it
+claimed comes back when its connection closes; killed after DRAIN_S), and once it has ended, it is
+declared gone to the weight group (`meshrl.runtime.weights.declare_left`). A joining inference replica asks the trainer to join
 the weight group and takes rows once it holds the current version; the answer reports when it
 generated its first row (`join_s`, from the request). A replica that fails in a group whose
 `restart.mode` is "leave" goes the same way, unless it was its group's last.
@@ -24,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import asdict
@@ -151,7 +153,8 @@ class Elastic:
         for p in joining:
             self.joining[p.name] = (change["asked_at"], change)
         for c in leaving:
-            c.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.pid, signal.SIGUSR2)  # drained: it finishes or hands back what it holds
             c.started = time.monotonic()  # the drain's clock
             self.leaving[c.name] = c
         launcher.write_pids()

@@ -174,6 +174,12 @@ class Service:
     def run(self) -> None:
         raise NotImplementedError
 
+    def leave(self) -> None:
+        """SIGUSR2: this replica leaves the run (`meshrl scale` drains it). By default it ends at once and
+        the rows it claimed come back when its connection closes; a service that can finish its work
+        in progress first (inference: the batch it generates) overrides this."""
+        raise SystemExit(0)
+
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         services.append(service_class(ctx.config)(ctx))
     hybrid.register(services)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGUSR2, lambda *_: [s.leave() for s in services])  # drained (`meshrl scale`)
     # `kill -USR1 PID`: every thread's stack into the log, then (once the main thread runs Python again)
     # every asyncio task's
     signal.signal(signal.SIGUSR1, dump_tasks)

@@ -1,8 +1,9 @@
 """The generation engine a recipe's inference group names, and the sampling seed of a row: shared by the
-inference service and `meshrl eval`, so that both generate alike."""
+inference service and `meshrl eval`, so that both generate alike; what a batch asks for and has got."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from meshrl.engines.base import InferenceEngine
@@ -51,3 +52,30 @@ def row_seed(recipe_seed: int, key: tuple[int, int, int], member: int) -> int:
     """The sampling seed of one row: (0, group, turn) for training rows, (1, version, prompt) for
     evaluation rows, (2, seed, 0) or (3, row, 0) for an agent's call (`meshrl eval` samples with the same seeds as the run's evaluation at version 0)."""
     return hash((recipe_seed, *key, member)) % 2**63
+
+
+@dataclass(frozen=True)
+class Want:
+    """How a row is to be generated."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+
+@dataclass
+class Completions:
+    """What a batch has generated so far, per row: tokens, logprobs, first and last weight version."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    first: list[int]
+    last: list[int]
+
+    @classmethod
+    def empty(cls, n: int) -> Completions:
+        return cls([[] for _ in range(n)], [[] for _ in range(n)], [-1] * n, [-1] * n)
+
+    def drop(self, rows: list[int]) -> None:
+        for i in rows:
+            self.tokens[i], self.logprobs[i], self.first[i], self.last[i] = [], [], -1, -1

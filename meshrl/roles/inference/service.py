@@ -35,7 +35,7 @@ from meshrl.dataplane.missing import put_missing_async
 from meshrl.engines.base import FINISH_INTERRUPTED, InferenceEngine, SamplingParams
 from meshrl.models import vision
 from meshrl.roles.inference.config import InferenceConfig
-from meshrl.roles.inference.engine import build_engine, row_seed
+from meshrl.roles.inference.engine import Completions, Want, build_engine, row_seed
 from meshrl.roles.inference.receive import Receiver
 from meshrl.runtime import hybrid
 from meshrl.runtime.service import WATCH_S, Service
@@ -72,33 +72,6 @@ class Waiting:
     batch: Batch
     rows: list[int]
     renewed: float = field(default_factory=time.monotonic)
-
-
-@dataclass(frozen=True)
-class Want:
-    """How a row is to be generated."""
-
-    temperature: float
-    top_p: float
-    max_tokens: int
-
-
-@dataclass
-class Completions:
-    """What a batch has generated so far, per row: tokens, logprobs, first and last weight version."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    first: list[int]
-    last: list[int]
-
-    @classmethod
-    def empty(cls, n: int) -> Completions:
-        return cls([[] for _ in range(n)], [[] for _ in range(n)], [-1] * n, [-1] * n)
-
-    def drop(self, rows: list[int]) -> None:
-        for i in rows:
-            self.tokens[i], self.logprobs[i], self.first[i], self.last[i] = [], [], -1, -1
 
 
 class InferenceService(Service):
@@ -147,17 +120,8 @@ class InferenceService(Service):
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.new_version = asyncio.Event()
-        preempted = asyncio.Event()
-        self.acquiring: asyncio.Future[float] | None = None
-        if self.ring is not None:  # a FALLBACK member: hold the devices whenever nobody else asks
-            loop = self.loop
-
-            def on_preempt() -> None:
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(preempted.set)
-
-            self.ring.on_preempt = on_preempt
-            self.acquiring = self.ring.acquire_async(loop)
+        self.leaving = asyncio.Event()
+        preempted = self.take_turns()
         if self.engine.version < 0:  # joining a running run: hold the current version before any row
             self.phase("waiting for the current weights")
             await self.loop.run_in_executor(None, self.receiver.wait_newer, -1)
@@ -166,11 +130,17 @@ class InferenceService(Service):
         run_over = asyncio.create_task(self.watch_run(client))
         version_task: asyncio.Task[Any] = asyncio.create_task(self.new_version.wait())
         preempt_task: asyncio.Task[Any] = asyncio.create_task(preempted.wait())
+        leave_task = asyncio.create_task(self.leaving.wait())
         try:
             while not run_over.done():
                 await asyncio.wait(
-                    [*pending.values(), version_task, run_over, preempt_task], return_when="FIRST_COMPLETED"
+                    [*pending.values(), version_task, run_over, preempt_task, leave_task],
+                    return_when="FIRST_COMPLETED",
                 )
+                if leave_task.done():  # drained: what it generated is in; what it holds goes back
+                    for work in self.waiting:
+                        await client.release(work.batch)
+                    return
                 if preempt_task.done():
                     preempted.clear()
                     preempt_task = asyncio.create_task(preempted.wait())
@@ -190,12 +160,27 @@ class InferenceService(Service):
                         pending[port] = asyncio.create_task(self.claim(client, port))
             run_over.result()  # a failure elsewhere in the run
         finally:
-            for task in [*pending.values(), version_task, run_over, preempt_task]:
+            for task in [*pending.values(), version_task, run_over, preempt_task, leave_task]:
                 task.cancel()
-            for task in [*pending.values(), version_task, run_over, preempt_task]:
+            for task in [*pending.values(), version_task, run_over, preempt_task, leave_task]:
                 with contextlib.suppress(BaseException):
                     await task
             await client.close()
+
+    def take_turns(self) -> asyncio.Event:
+        """A FALLBACK member of a colocation ring holds the devices whenever nobody else asks: set when
+        another member asks for them (`preempted`)."""
+        preempted, loop = asyncio.Event(), self.loop
+        self.acquiring: asyncio.Future[float] | None = None
+        if self.ring is not None and loop is not None:
+
+            def on_preempt() -> None:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(preempted.set)
+
+            self.ring.on_preempt = on_preempt
+            self.acquiring = self.ring.acquire_async(loop)
+        return preempted
 
     async def claim(self, client: AsyncClient, port: str) -> Batch:
         c = self.ctx.wiring.claim(port)
@@ -250,6 +235,12 @@ class InferenceService(Service):
             self.phase(f"{waiting} rows wait for version {need} (it has {self.engine.version})")
         else:
             self.phase("waiting for prompts")
+
+    def leave(self) -> None:
+        """SIGUSR2 (drained): the batch being generated finishes and is written, then the service ends."""
+        if self.loop is None:
+            raise SystemExit(0)
+        self.loop.call_soon_threadsafe(self.leaving.set)
 
     def local_publish(self, version: int) -> None:
         """Called by the trainer of this process (hybrid ring): its model, which this engine generates

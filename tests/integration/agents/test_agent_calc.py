@@ -187,5 +187,7 @@ def test_agents_replicas_join_and_leave_a_running_run(tmp_path: Path, format_mod
     assert "trajectories" in (run_dir / "logs" / "agents-1-1.log").read_text()  # it did play some
     tally = account(run_dir / "ledger.jsonl")
     produced = steps * BATCH
-    assert (tally.produced, tally.consumed, tally.pending, tally.duplicated) == (produced, produced, 0, 0), tally
+    assert (tally.produced, tally.consumed, tally.pending, tally.duplicated) == (produced, produced, 0, 0), (
+        tally
+    )
     assert not (run_dir / "restarts.jsonl").exists()

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from meshrl.dataplane.ledger import account
 from tests.integration.fault.test_kill import pid_of, start, steps_done
-from tests.integration.grpo.test_grpo import REPO, rows
+from tests.integration.grpo.test_grpo import REPO, rows, run
 
 SIM = str(REPO / "recipes" / "pipeline_sim.py")
+KL = str(REPO / "recipes" / "grpo_arith_kl.py")
 BATCH = 16 * 8
 FAST = ["inference.replicas=1", "inference.restart.mode=leave", "rollout.window=1", "inference.max_batch=4",
         "inference.max_new_tokens=200", "inference.sim.token_s=0.001", "inference.sim.median_tokens=20",
@@ -112,7 +113,8 @@ def test_inference_grows_shrinks_and_survives_a_vanished_replica(tmp_path: Path,
     epochs = [
         line.split("re-forms in ")[1] for line in trainer.read_text().splitlines() if "re-forms in" in line
     ]
-    assert any(e.endswith(": inference-0, inference-1, inference-2") for e in epochs), epochs
+    formed = [set(e.split(": ")[1].split(", ")) for e in epochs]  # in the order they asked to join
+    assert {"inference-0", "inference-1", "inference-2"} in formed, epochs
     assert epochs[-1].endswith(": inference-0"), epochs  # the vanished and the drained one are out
     assert "inference-0-0" in json.loads((run_dir / "pids-0.json").read_text())  # the pids file follows
     # `meshrl status` shows the run's shape and every change (the dashboard shows the same lines)
@@ -131,3 +133,44 @@ def test_inference_grows_shrinks_and_survives_a_vanished_replica(tmp_path: Path,
 def test_a_scale_request_without_a_running_run_says_so(tmp_path: Path) -> None:
     r = scale(tmp_path, "inference=2")
     assert (r.returncode, r.stderr.strip()) == (1, f"meshrl scale: no run is running in {tmp_path}")
+
+
+def test_replicas_of_inference_and_the_reference_join_and_leave_a_training_run(
+    tmp_path: Path, arith_model: Path
+) -> None:
+    """GRPO with a KL reference on the tiny model, two devices to spare: inference and the reference grow
+    to two replicas each and shrink back while the run trains, each on a spare device. A joined inference
+    replica holds the current weights before its first row, so its samples' behaviour KL is the run's
+    usual one; every sample is generated and trained once. (Sampling is seeded by each row's identity,
+    so the run often repeats the unchanged one bit for bit, here 4 times in 6; when groups become ready
+    in another order, the trainer's mini-batches differ and so do the steps that follow.)"""
+    steps = 24
+    common = [f"*.model={arith_model}", f"total_steps={steps}", "rollout.eval_every=0", "--devices", "5",
+              "inference.restart.mode=leave", "reference.restart.mode=leave"]  # fmt: skip
+    (tmp_path / "plain").mkdir()
+    plain = run(tmp_path / "plain", *common, f"run_dir={tmp_path / 'plain' / 'run'}", recipe=KL)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    proc = start(tmp_path, *common, f"run_dir={run_dir}", recipe=KL)
+    try:
+        wait_steps(proc, run_dir, 3)
+        r = scale(run_dir, "reference=2", "inference=2")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.splitlines()[0] == (
+            "[meshrl] reference: 1 -> 2 replicas, inference: 1 -> 2 replicas (joining: inference-1-4, reference-1-3)"
+        )  # each on a device of its own: the two spare ones, in the order asked
+        wait_steps(proc, run_dir, 8)
+        assert scale(run_dir, "reference=1", "inference=1").returncode == 0
+        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    changed, same = rows(run_dir / "metrics.jsonl"), rows(tmp_path / "plain" / "run" / "metrics.jsonl")
+    assert [m["step"] for m in changed] == [m["step"] for m in same] == list(range(steps))
+    # generated with the weights the trainer expects: a joined replica on stale weights (say the initial
+    # ones, kl_ref ~0.08 by then) would raise the behaviour KL of its samples 20-fold
+    joined = [m["kl_behaviour"] for m in changed[4:8]]
+    assert max(joined) <= 3 * max(m["kl_behaviour"] for m in same[4:8]) + 1e-3, (joined, same[4:8])
+    exactly_once(run_dir, steps)
+    assert "reference-1-3" not in (run_dir / "topology.json").read_text()  # rewritten: it has left
