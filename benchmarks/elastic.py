@@ -116,7 +116,9 @@ def main() -> None:
         metrics = steps(run_dir)
         members = json.loads((run_dir / "members.json").read_text())
         restarts_path = run_dir / "restarts.jsonl"
-        restarts = [json.loads(x) for x in restarts_path.read_text().splitlines()] if restarts_path.exists() else []
+        restarts = (
+            [json.loads(x) for x in restarts_path.read_text().splitlines()] if restarts_path.exists() else []
+        )
         trained = account(run_dir / "ledger.jsonl", "samples", "trainer")
         generated = account(run_dir / "ledger.jsonl", "samples", "inference")
     one, three = rate(metrics, WARM, SCALE_OUT), rate(metrics, MEASURE_3, KILL)
