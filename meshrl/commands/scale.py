@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     if said.get("ok") and not said.get("done") and timeout:
         print(f"meshrl scale: not finished after {timeout:.0f}s (see {answer})", file=sys.stderr)
         return 1
-    return 0 if said.get("ok") else 1
+    return 0 if said.get("ok") and not said.get("failed") else 1
 
 
 def running(run_dir: Path) -> bool:
@@ -108,6 +108,12 @@ def _show(said: dict[str, Any], shown: set[str]) -> None:
         if name not in shown:
             shown.add(name)
             print(f"[meshrl] {name} joined {s:.1f} s after the request", flush=True)
+    for name, code in said.get("failed", {}).items():
+        if name not in shown:
+            shown.add(name)
+            print(
+                f"[meshrl] {name} failed to join (exit code {code}); the run goes on without it", flush=True
+            )
     for name in said.get("gone", []):
         if name not in shown:
             shown.add(name)

@@ -89,16 +89,22 @@ class Elastic:
             self._gone(child, process)
             return True
         group = self.launcher.recipe.group(process.group)
-        if code == 0 or group.restart.mode != "leave":
+        joined = self.joining.pop(child.name, None) if code else None
+        failed_join = joined is not None  # a scale-out that did not take: the run goes on without it
+        if joined is not None:
+            joined[1].setdefault("failed", {})[child.name] = code
+        if code == 0 or (group.restart.mode != "leave" and not failed_join):
             return False
         if self.members.live(self.launcher.recipe, process.group) == [process.replica]:
             return False  # its group's last replica: the run cannot go on
         before = len(self.members.live(self.launcher.recipe, process.group))
         self.members = without(self.launcher.recipe, self.members, process.group, process.replica)
-        change = self._change("vanished", {process.group: (before, before - 1)}, [], [child.name])
+        why = "failed to join" if failed_join else "vanished"
+        change = self._change(why, {process.group: (before, before - 1)}, [], [child.name])
         change["code"] = code
-        print(f"[meshrl] {child.name} failed (exit code {code}); its group's restart.mode is 'leave': "
-              f"the run goes on with {before - 1} {process.group} replicas", flush=True)  # fmt: skip
+        print(f"[meshrl] {child.name} {'failed to join' if failed_join else 'failed'} (exit code {code}); the run "
+              f"goes on with {before - 1} {process.group} replicas; last lines of {child.log_path}:\n"
+              f"{child.tail(10)}", flush=True)  # fmt: skip
         self._gone(child, process)
         return True
 
@@ -140,9 +146,11 @@ class Elastic:
         new = {p.name: p for r in topology.replicas for p in r.processes}
         joining = [p for name, p in new.items() if name not in old]
         leaving = [c for c in launcher.children if c.name in old - set(new)]
-        busy = ports.taken({port: f"{p.name}'s port" for p in joining for port in p.ports})
-        if busy is not None:
-            raise ScaleRefused(f"cannot start a new replica: {busy}")
+        if busy := sorted(p.name for p in joining if p.name in self.leaving):
+            raise ScaleRefused(f"{', '.join(busy)} still leaving: ask again once it has left")
+        taken = ports.taken({port: f"{p.name}'s port" for p in joining for port in p.ports})
+        if taken is not None:
+            raise ScaleRefused(f"cannot start a new replica: {taken}")
         sizes = {g: (len(self.members.live(recipe, g)), n) for g, n in groups.items()}
         self.members, self.topology = members, topology
         change = self._change("scale", sizes, [p.name for p in joining], [c.name for c in leaving])
@@ -181,9 +189,14 @@ class Elastic:
         for name, (asked_at, change) in list(self.joining.items()):
             child = children.get(name)
             h = child.health(timeout=0.2) if child is not None else None
-            if child is None or child.poll() is not None:
+            if child is None:
                 del self.joining[name]
-            elif h is not None and h.get("state") == "running" and h.get("generated", 1) > 0:
+            elif (
+                child.poll() is None
+                and h is not None
+                and h.get("state") == "running"
+                and h.get("generated", 1) > 0
+            ):
                 change["join_s"][name] = round(time.time() - asked_at, 3)
                 del self.joining[name]
                 self._save()
