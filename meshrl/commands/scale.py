@@ -98,6 +98,9 @@ def _show(said: dict[str, Any], shown: set[str]) -> None:
             shown.add("refused")
             print(f"[meshrl] refused: {said.get('message')}", flush=True)
         return
+    if "change" not in shown and "message" in said:  # nothing to change
+        shown.add("change")
+        print(f"[meshrl] {said['message']}", flush=True)
     if "change" not in shown:
         shown.add("change")
         sizes = ", ".join(f"{g}: {a} -> {b} replicas" for g, (a, b) in said["replicas"].items())

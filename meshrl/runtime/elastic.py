@@ -146,6 +146,10 @@ class Elastic:
         new = {p.name: p for r in topology.replicas for p in r.processes}
         joining = [p for name, p in new.items() if name not in old]
         leaving = [c for c in launcher.children if c.name in old - set(new)]
+        if not joining and not leaving:
+            sizes_now = ", ".join(f"{g} has {n}" for g, n in groups.items())
+            ckpt.save_json(answer, {"ok": True, "done": True, "message": f"no change: {sizes_now}"})
+            return []
         if busy := sorted(p.name for p in joining if p.name in self.leaving):
             raise ScaleRefused(f"{', '.join(busy)} still leaving: ask again once it has left")
         taken = ports.taken({port: f"{p.name}'s port" for p in joining for port in p.ports})

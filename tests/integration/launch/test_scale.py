@@ -74,6 +74,8 @@ def test_inference_grows_shrinks_and_survives_a_vanished_replica(tmp_path: Path,
             r = scale(run_dir, asked)
             assert (r.returncode, r.stdout.strip()) == (1, f"[meshrl] {why}"), r
         assert scale(run_dir, "inference=two").returncode == 2
+        r = scale(run_dir, "inference=1")
+        assert (r.returncode, r.stdout.strip()) == (0, "[meshrl] no change: inference has 1"), r
         r = scale(run_dir, "inference=3")
         assert r.returncode == 0, r.stdout + r.stderr
         lines = r.stdout.splitlines()
