@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import select
 import socket
@@ -68,8 +69,7 @@ class RpcClient:
         spin_until = start + self.spin.budget()
         while time.perf_counter() < spin_until:
             os.sched_yield()
-            r, _, _ = select.select([self.sock], [], [], 0)
-            if r:
+            if _readable(self.sock, 0.0):
                 return
 
     def _fill(self, deadline: float | None) -> bool:
@@ -81,7 +81,7 @@ class RpcClient:
             if deadline is None:
                 return False
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+            if left <= 0 or not _readable(self.sock, left):
                 raise TimeoutError(f"no reply from {self.endpoint}") from None
             data = self.sock.recv(RECV_CHUNK)
         if not data:
@@ -248,3 +248,11 @@ class Wire:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether `sock` has data within `timeout` seconds: poll, not select (a process with over 1024
+    open descriptors, rollout's near the end of a long agents run, made select raise)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
