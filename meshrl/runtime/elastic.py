@@ -47,10 +47,10 @@ POLL_S = 0.2
 
 
 class Elastic:
-    def __init__(self, launcher: Launcher, topology: Topology, members: Membership) -> None:
+    def __init__(self, launcher: Launcher, topology: Topology) -> None:
         self.launcher = launcher
         self.topology = topology
-        self.members = members
+        self.members = Membership()  # a launch starts with the recipe's shape
         self.requests = launcher.run_dir / "scale"
         self.requests.mkdir(exist_ok=True)
         self.changes: list[dict[str, Any]] = []

@@ -33,7 +33,6 @@ from meshrl.dataplane.rpc_client import Wire
 from meshrl.dataplane.wire import host_id, new_secret, write_secret
 from meshrl.observe.follow import Follower, backlog
 from meshrl.observe.status import health
-from meshrl.planning.members import Membership
 from meshrl.planning.recipe import Recipe, RecipeError, load_recipe, to_jsonable
 from meshrl.planning.topology import HEALTH, Device, Topology, cohosts, plan, run_partitions
 from meshrl.runtime import ports
@@ -275,7 +274,7 @@ class Launcher:
 
     def _supervise(self, controller: str, secret: str | None) -> int:
         running = list(self.children)
-        elastic = Elastic(self, self.topology, Membership()) if self.lead else None
+        elastic = Elastic(self, self.topology) if self.lead else None
         follower = None
         if self.lead:  # the progress line and the experiment trackers, from the run's files
             config = json.loads((self.run_dir / "config.json").read_text())
