@@ -17,6 +17,7 @@ commands:
       [section.field=value ...]              the trainer's sections: optim.lr=3e-3 lora.rank=8
   status [RUN_DIR] [--json]                  services, queue, rings and weight version of a run
   scale RUN_DIR GROUP=N [GROUP=N ...]        change a running run's replica counts (inference=3)
+  join ADDRESS|RUN_DIR [GROUP=N ...]         this host joins a running run with replicas (--devices N)
   dashboard [RUN_DIR] [--host H] [--port P]  a run's charts, services and samples in the browser
   queue serve [...]                          run the data plane's controller / storage server
 """
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         from meshrl.commands.scale import main as scale
 
         raise SystemExit(scale(rest))
+    if cmd == "join":
+        from meshrl.runtime.joined import main as join
+
+        raise SystemExit(join(rest))
     if cmd == "dashboard":
         from meshrl.observe.dashboard import main as dashboard
 

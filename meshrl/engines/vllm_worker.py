@@ -2,7 +2,7 @@
 
 vLLM mixes `WeightReceiver` into its worker class; the inference service drives it with
 `collective_rpc("meshrl_...")` (through `VLLMEngine.weight_member`). The worker joins the trainer's
-weight group itself, with the same process group the service would have built (`weights.process_group`:
+weight group itself, with the same process group the service would have built (`weights_packing.process_group`:
 NCCL on GPU, gloo on CPU, under the epoch's store prefix), so the tensors go from the trainer straight
 into the worker's model, bucket by bucket: the path vLLM documents for RL. On one host the trainer's
 shared memory is mapped here instead. The buckets feed vLLM's in-place reload as they arrive, so one
@@ -21,8 +21,14 @@ import torch
 import torch.distributed as dist
 
 from meshrl.dataplane.shm import Segment
-from meshrl.runtime.weights import broadcast_from_trainer, process_group
-from meshrl.runtime.weights_packing import Header, incoming, reader, span
+from meshrl.runtime.weights_packing import (
+    Header,
+    broadcast_from_trainer,
+    incoming,
+    process_group,
+    reader,
+    span,
+)
 
 
 class WeightReceiver:

@@ -100,7 +100,8 @@ def changes(members: dict[str, Any]) -> list[str]:
         ]
         what += [f"left {n}" + ("" if n in c["gone"] else " (draining)") for n in c["left"]]
         at = time.strftime("%H:%M:%S", time.localtime(c["time"]))
-        line = f"{at}  {c['why']:<9}{sizes}: {', '.join(what)}"
+        why = f"{c['why']} {c['host']}" if "host" in c else c["why"]  # a host that joined (`meshrl join`)
+        line = f"{at}  {why + ' ':<9}{sizes}: {', '.join(what)}"
         out.append(line + (f" (exit code {c['code']})" if "code" in c else ""))
     return out
 
@@ -213,6 +214,8 @@ def render(status: dict[str, Any]) -> str:
     shape = status.get("members") or {}
     if shape.get("changes"):
         now = ", ".join(f"{g} {n}" for g, n in shape["replicas"].items())
+        hosts = [h["name"] for h in shape.get("members", {}).get("hosts", [])]
+        now += f"; hosts joined: {', '.join(hosts)}" if hosts else ""
         lines += ["", f"replicas: {now}; changes of the run's shape:", *("  " + c for c in changes(shape))]
     ledger = status.get("ledger") or {}
     if ledger:

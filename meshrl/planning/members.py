@@ -13,6 +13,9 @@ launcher and device, its ports.
 - Scaling in removes the highest indices first.
 - Only stateless groups that re-join a running run can change: inference, env / agents, endpoint, and
   the frozen scorers (reference, reward model, teacher). `fixed` says why any other cannot.
+- A launcher on another host that joins the run (`meshrl join`) is a `Host`: launcher ranks after
+  every rank of the run, devices or one CPU-only rank, and the replicas the join asked for placed on
+  them (`join_host`). When it goes, its replicas and its ranks go with it (`host_gone`).
 
 The lead launcher keeps the membership in `RUN_DIR/members.json` with every change (`meshrl/runtime/
 elastic.py`). Nothing here imports torch.
@@ -48,10 +51,34 @@ class Joined:
 
 
 @dataclass(frozen=True)
+class Host:
+    """A launcher that joined the running run from a host of its own (`meshrl join`)."""
+
+    name: str
+    """Its host id (the data plane's: one storage server per host)."""
+    rank: int
+    """Its first launcher rank; its ranks follow every rank of the run when it joined."""
+    devices: int = 0
+    """Its devices, ranks `rank`...; with none it has one CPU-only launcher rank."""
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank, self.rank + max(self.devices, 1))
+
+
+@dataclass(frozen=True)
 class Membership:
     left: tuple[tuple[str, int], ...] = ()
     """The recipe's replicas (group, index) that left the run."""
     joined: tuple[Joined, ...] = field(default_factory=tuple)
+    hosts: tuple[Host, ...] = ()
+    """Launchers that joined the run (`meshrl join`), in the order they joined."""
+
+    def ranks(self, devices: Sequence[Any]) -> list[tuple[int, bool]]:
+        """(rank, is a device) of every launcher rank of the run: the recipe's `devices` (objects with a
+        `rank`) and the joined hosts'."""
+        own = [(d.rank, True) for d in devices] or [(0, False)]
+        return own + [(r, h.devices > 0) for h in self.hosts for r in h.ranks]
 
     def live(self, recipe: Recipe, group: str) -> list[int]:
         """The indices of `group`'s replicas in the run now."""
@@ -70,6 +97,7 @@ class Membership:
                 }
                 for j in self.joined
             ],
+            "hosts": [{"name": h.name, "rank": h.rank, "devices": h.devices} for h in self.hosts],
         }
 
     @classmethod
@@ -81,7 +109,8 @@ class Membership:
                    bool(j.get("devices", False)))
             for j in data.get("joined", ())
         )  # fmt: skip
-        return cls(tuple((str(g), int(i)) for g, i in data.get("left", ())), joined)
+        hosts = tuple(Host(str(h["name"]), int(h["rank"]), int(h["devices"])) for h in data.get("hosts", ()))
+        return cls(tuple((str(g), int(i)) for g, i in data.get("left", ())), joined, hosts)
 
 
 def fixed(recipe: Recipe, group: str) -> str | None:
@@ -102,10 +131,16 @@ def fixed(recipe: Recipe, group: str) -> str | None:
 
 
 def scale(
-    recipe: Recipe, ranks: Sequence[tuple[int, bool]], members: Membership, group: str, n: int
+    recipe: Recipe,
+    ranks: Sequence[tuple[int, bool]],
+    members: Membership,
+    group: str,
+    n: int,
+    on: Sequence[int] | None = None,
 ) -> Membership:
     """`members` with `group` at `n` replicas. `ranks`: (rank, is a device) of every launcher rank of the
-    run, in rank order. Raises ScaleRefused (nothing changes) when it cannot be done."""
+    run, in rank order (`Membership.ranks`); `on`: the ranks new replicas go to (default: any).
+    Raises ScaleRefused (nothing changes) when it cannot be done."""
     if group not in {g.id for g in recipe.groups}:
         raise ScaleRefused(
             f"no group {group!r} in this run (groups: {', '.join(g.id for g in recipe.groups)})"
@@ -120,6 +155,9 @@ def scale(
         members = without(recipe, members, group, live.pop())
     while len(live) < n:
         index = next(i for i in range(len(live) + 1) if i not in live)
+        if on is not None:  # a joining host's replicas: new ones, beyond the recipe's places
+            index = max([*live, recipe.group(group).replicas - 1]) + 1
+            ranks = [(r, dev) for r, dev in ranks if r in on]
         members = _join(recipe, ranks, members, group, index)
         live = members.live(recipe, group)
     return members
@@ -130,6 +168,46 @@ def without(recipe: Recipe, members: Membership, group: str, index: int) -> Memb
     if index < recipe.group(group).replicas:
         return replace(members, left=tuple(sorted({*members.left, (group, index)})))
     return replace(members, joined=tuple(j for j in members.joined if (j.group, j.index) != (group, index)))
+
+
+def join_host(
+    recipe: Recipe,
+    devices: Sequence[Any],
+    members: Membership,
+    host: str,
+    n_devices: int,
+    groups: dict[str, int],
+) -> tuple[Membership, Host]:
+    """`members` after a launcher of host `host` with `n_devices` devices joined, running `groups`
+    (group -> replicas on it; empty: its devices filled with the first group that can grow and
+    receives weights, or one replica of it on a host without devices). `devices`: the recipe's."""
+    if n_devices < 0:
+        raise ScaleRefused(f"devices: {n_devices} is not a count")
+    if host in {h.name for h in members.hosts}:
+        raise ScaleRefused(f"a launcher of host {host!r} has joined already")
+    rank = 1 + max(r for r, _ in members.ranks(devices))
+    new = Host(host, rank, n_devices)
+    members = replace(members, hosts=(*members.hosts, new))
+    if not groups:
+        growable = [g for g in recipe.groups if fixed(recipe, g.id) is None]
+        pick = [g for g in growable if g.config.follows() is not None] or growable
+        if not pick:
+            raise ScaleRefused("no group of this run can grow")
+        g = pick[0]
+        groups = {g.id: n_devices // g.devices_per_replica if g.devices_per_replica else 1}
+    for group, k in groups.items():
+        if k < 1:
+            raise ScaleRefused(f"{group}: at least one replica on the joining host (asked for {k})")
+        live = len(members.live(recipe, group)) if group in {g.id for g in recipe.groups} else 0
+        members = scale(recipe, members.ranks(devices), members, group, live + k, on=new.ranks)
+    return members, new
+
+
+def host_gone(recipe: Recipe, members: Membership, rank: int) -> Membership:
+    """`members` after the joined launcher whose first rank is `rank` went, with its replicas."""
+    host = next(h for h in members.hosts if h.rank == rank)
+    joined = tuple(j for j in members.joined if not any(r in host.ranks for r, _ in j.places))
+    return replace(members, joined=joined, hosts=tuple(h for h in members.hosts if h is not host))
 
 
 def _join(
@@ -149,6 +227,8 @@ def _join(
     else:
         launchers = sorted({r for r, _ in ranks}) or [0]
         owners = [launchers[index % len(launchers)]]
+        if not ranks:
+            raise ScaleRefused(f"{group}: no launcher to run another replica on")
     places: list[tuple[int, int]] = []
     for rank in owners:
         taken = {s for j in members.joined for r, s in j.places if r == rank} | {

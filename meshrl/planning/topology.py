@@ -14,7 +14,9 @@ Rules:
   among the launchers of its host in rank order. Ports need only be unique per host, and they are by
   construction, also when two torchrun agents share a machine.
 - The data plane's controller runs on the host of rank 0 at `base_port`; every host runs a storage
-  server at `base_port + 1`.
+  server at `base_port + 1`. A launcher that joined the running run (`meshrl join`) takes its rank as
+  its position, so its ports are the run's own whatever host it is on; a host it brings has its
+  storage server at its band's first port.
 - Each group's wiring gets what follows from the placement (`placed`): a weight group's meeting point
   and members, a ring's processes, a checkpoint's participants, the replicas serving a needed setting.
   A service is handed its group's wiring, never the topology.
@@ -158,7 +160,8 @@ def plan(recipe: Recipe, devices: Sequence[Device], members: Membership | None =
     found += checks.problems(recipe, devs, wiring)
     if found:
         raise RecipeError(found)
-    replicas = place(recipe, devs, members or Membership())
+    members = members or Membership()
+    replicas = place(recipe, devs, members)
     found = _port_problems(recipe, replicas)
     if found:
         raise RecipeError(found)
@@ -167,10 +170,20 @@ def plan(recipe: Recipe, devices: Sequence[Device], members: Membership | None =
         hosts.setdefault(d.host, d.rank)
     hosts = hosts or {"localhost": 0}
     controller_host = devs[0].host if devs else "localhost"
-    storage = tuple((h, r, recipe.ports_from + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1]))
+    storage = [(h, r, recipe.ports_from + 1) for h, r in sorted(hosts.items(), key=lambda x: x[1])]
+    for h in members.hosts:  # a joined host's storage: at the first port of its launcher's band
+        if h.name not in hosts:
+            hosts[h.name] = h.rank
+            storage.append((h.name, h.rank, ports(recipe, h.rank, 0)[0]))
     return Topology(
-        tuple(devs), replicas, controller_host, recipe.ports_from, storage, placed(recipe, wiring, replicas)
-    )
+        (*devs, *joined_devices(members)), replicas, controller_host, recipe.ports_from, tuple(storage),
+        placed(recipe, wiring, replicas),
+    )  # fmt: skip
+
+
+def joined_devices(members: Membership) -> list[Device]:
+    """The launcher ranks of the hosts that joined the run, as devices (a host without devices: one)."""
+    return [Device(r, h.name, i) for h in members.hosts for i, r in enumerate(h.ranks)]
 
 
 def placed(recipe: Recipe, wiring: dict[str, Wiring], replicas: Sequence[Replica]) -> dict[str, Wiring]:
@@ -239,6 +252,8 @@ def place(recipe: Recipe, devs: Sequence[Device], members: Membership | None = N
     world = max(1, len(devs))
     by_rank = {d.rank: d for d in devs} or {0: Device(0, "localhost", 0)}
     host_index = _host_index(devs)
+    for d in joined_devices(members):  # a joined launcher's ports: a band of its own (its rank's)
+        by_rank[d.rank], host_index[d.rank] = d, d.rank
     slots: Counter[int] = Counter()
     cpu_next = 0
     replicas = []

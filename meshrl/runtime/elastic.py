@@ -14,9 +14,19 @@ the weight group and takes rows once it holds the current version; the answer re
 generated its first row (`join_s`, from the request). A replica that fails in a group whose
 `restart.mode` is "leave" goes the same way, unless it was its group's last.
 
+A launcher on another host joins through the lead's join endpoint (`RUN_DIR/join.json`: its address;
+a connection proves the run's secret, `multiprocessing.connection`'s challenge): `meshrl join`
+(`meshrl/runtime/joined.py`) says its host, address, devices and the replicas it asks for; the lead
+plans them onto its ranks (`join_host`) and answers with what the launcher needs to run them (the
+recipe's text, the membership, the data plane's endpoint and secret). From then on the lead sends the
+membership after every change and that launcher starts or drains the processes planned on its ranks;
+it reports each one that joins or ends. When its connection closes (it stopped, or its host died),
+its replicas leave the run as above.
+
 The lead launcher keeps the membership and every change in `RUN_DIR/members.json` and rewrites
-`topology.json` (what `meshrl status` and the dashboard show). A run of several launchers does not
-change shape yet: its requests are refused. A run restarted as a whole starts from the recipe's shape.
+`topology.json` (what `meshrl status` and the dashboard show). A run of several torchrun launchers
+does not change shape yet: its requests are refused. A run restarted as a whole starts from the
+recipe's shape.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from meshrl.planning.members import Membership, ScaleRefused, scale, without
 from meshrl.planning.topology import HEALTH, Process, Topology, plan
 from meshrl.runtime import ports
+from meshrl.runtime.hosts import Hosts
 from meshrl.runtime.supervise import Child
 from meshrl.state import checkpoint as ckpt
 
@@ -50,6 +61,7 @@ class Elastic:
     def __init__(self, launcher: Launcher, topology: Topology) -> None:
         self.launcher = launcher
         self.topology = topology
+        self.devices = topology.devices  # the recipe's (joined hosts add theirs in the membership)
         self.members = Membership()  # a launch starts with the recipe's shape
         self.requests = launcher.run_dir / "scale"
         self.requests.mkdir(exist_ok=True)
@@ -57,8 +69,15 @@ class Elastic:
         self.leaving: dict[str, Child] = {}
         self.joining: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (asked at, its change)
         self.answers: dict[int, Path] = {}  # id of a change -> its answer file
+        self.failed: str | None = None  # a group lost its last replica with a host that went
         self.next_poll = 0.0
-        self._save()
+        self.hosts = Hosts(self) if launcher.peers.size == 1 else None  # `meshrl join`
+        self.save()
+
+    def close(self) -> None:
+        """The launch is over: joined launchers stop their processes and leave."""
+        if self.hosts is not None:
+            self.hosts.close()
 
     # ---------------------------------------------------------------------------------------------------
     # what the launcher calls
@@ -72,6 +91,8 @@ class Elastic:
         started: list[Child] = []
         for request in sorted(self.requests.glob("*.request.json")):
             started += self._take(request)
+        if self.hosts is not None:
+            self.hosts.poll()
         for child in list(self.leaving.values()):
             if child.poll() is None and time.monotonic() - child.started > DRAIN_S:
                 child.stop(grace=0)
@@ -86,7 +107,7 @@ class Elastic:
             return False
         if child.name in self.leaving:
             del self.leaving[child.name]
-            self._gone(child, process)
+            self.gone(child, process)
             return True
         group = self.launcher.recipe.group(process.group)
         joined = self.joining.pop(child.name, None) if code else None
@@ -100,12 +121,12 @@ class Elastic:
         before = len(self.members.live(self.launcher.recipe, process.group))
         self.members = without(self.launcher.recipe, self.members, process.group, process.replica)
         why = "failed to join" if failed_join else "vanished"
-        change = self._change(why, {process.group: (before, before - 1)}, [], [child.name])
+        change = self.change(why, {process.group: (before, before - 1)}, [], [child.name])
         change["code"] = code
         print(f"[meshrl] {child.name} {'failed to join' if failed_join else 'failed'} (exit code {code}); the run "
               f"goes on with {before - 1} {process.group} replicas; last lines of {child.log_path}:\n"
               f"{child.tail(10)}", flush=True)  # fmt: skip
-        self._gone(child, process)
+        self.gone(child, process)
         return True
 
     # ---------------------------------------------------------------------------------------------------
@@ -134,34 +155,39 @@ class Elastic:
         groups = {str(g): int(n) for g, n in dict(asked.get("groups", {})).items()}
         if not groups:
             raise ScaleRefused("nothing asked: give GROUP=N")
-        devices = [(d.rank, True) for d in self.topology.devices] or [(0, False)]
         members = self.members
         for group, n in groups.items():
-            members = scale(recipe, devices, members, group, n)
+            members = scale(recipe, members.ranks(self.devices), members, group, n)
         try:
-            topology = plan(recipe, self.topology.devices, members)
+            topology = plan(recipe, self.devices, members)
         except ValueError as e:  # RecipeError: its lines joined
             raise ScaleRefused(str(e).replace("\n", "; ")) from e
         old = {p.name for r in self.topology.replicas for p in r.processes}
         new = {p.name: p for r in topology.replicas for p in r.processes}
         joining = [p for name, p in new.items() if name not in old]
         leaving = [c for c in launcher.children if c.name in old - set(new)]
-        if not joining and not leaving:
+        leaving_names = sorted(old - set(new))
+        if not joining and not leaving_names:
             sizes_now = ", ".join(f"{g} has {n}" for g, n in groups.items())
             ckpt.save_json(answer, {"ok": True, "done": True, "message": f"no change: {sizes_now}"})
             return []
         if busy := sorted(p.name for p in joining if p.name in self.leaving):
             raise ScaleRefused(f"{', '.join(busy)} still leaving: ask again once it has left")
-        taken = ports.taken({port: f"{p.name}'s port" for p in joining for port in p.ports})
+        here = [p for p in joining if self.remote(p) is None]
+        taken = ports.taken({port: f"{p.name}'s port" for p in here for port in p.ports})
         if taken is not None:
             raise ScaleRefused(f"cannot start a new replica: {taken}")
         sizes = {g: (len(self.members.live(recipe, g)), n) for g, n in groups.items()}
         self.members, self.topology = members, topology
-        change = self._change("scale", sizes, [p.name for p in joining], [c.name for c in leaving])
+        for remote in self.hosts.remotes.values() if self.hosts is not None else ():  # drained there
+            remote.leaving |= {n for n in leaving_names if launcher.processes[n].rank in remote.host.ranks}
+        change = self.change("scale", sizes, [p.name for p in joining], leaving_names)
         change["asked_at"] = float(asked.get("time", time.time()))
         self.answers[len(self.changes)] = answer
         launcher.processes.update(new)
-        started = [self._start(p) for p in joining]
+        started = [self._start(p) for p in here]
+        if self.hosts is not None:
+            self.hosts.tell()  # the joined launchers start and drain theirs
         for p in joining:
             self.joining[p.name] = (change["asked_at"], change)
         for c in leaving:
@@ -170,7 +196,7 @@ class Elastic:
             c.started = time.monotonic()  # the drain's clock
             self.leaving[c.name] = c
         launcher.write_pids()
-        self._save()
+        self.save()
         summary = ", ".join(f"{g}: {a} -> {b} replicas" for g, (a, b) in sizes.items())
         print(f"[meshrl] scale: {summary}", flush=True)
         return started
@@ -194,7 +220,8 @@ class Elastic:
             child = children.get(name)
             h = child.health(timeout=0.2) if child is not None else None
             if child is None:
-                del self.joining[name]
+                if self.remote(self.launcher.processes[name]) is None:  # else: its launcher reports
+                    del self.joining[name]
             elif (
                 child.poll() is None
                 and h is not None
@@ -203,26 +230,32 @@ class Elastic:
             ):
                 change["join_s"][name] = round(time.time() - asked_at, 3)
                 del self.joining[name]
-                self._save()
+                self.save()
 
-    def _gone(self, child: Child, process: Process) -> None:
-        """`child` has ended for good: out of the run's processes, out of its weight group."""
+    def remote(self, process: Process) -> Any:
+        """The joined launcher that runs `process` (None: this one)."""
+        return self.hosts.of(process) if self.hosts is not None else None
+
+    def gone(self, child: Child | None, process: Process) -> None:
+        """`process` has ended for good (`child`: here): out of the run's processes, out of its weight
+        group."""
         launcher = self.launcher
-        if child in launcher.children:
-            launcher.children.remove(child)
-        child.stop(grace=0)  # closes its log
+        if child is not None:
+            if child in launcher.children:
+                launcher.children.remove(child)
+            child.stop(grace=0)  # closes its log
         for change in self.changes:
-            if child.name in change["left"]:
-                change["gone"].append(child.name)
+            if process.name in change["left"] and process.name not in change["gone"]:
+                change["gone"].append(process.name)
         link = launcher.topology.wiring[process.group].weights
         if link is not None and link.endpoint is not None and process.group in link.receivers:
             host = "127.0.0.1" if launcher.topology.single_host else launcher.addresses[link.endpoint.host]
             name = f"{process.group}-{process.replica}"
             threading.Thread(target=_declare_left, args=(host, link.endpoint.port, name), daemon=True).start()
-        self.topology = plan(launcher.recipe, self.topology.devices, self.members)
-        self._save()
+        self.topology = plan(launcher.recipe, self.devices, self.members)
+        self.save()
 
-    def _change(
+    def change(
         self, why: str, sizes: dict[str, tuple[int, int]], joined: list[str], left: list[str]
     ) -> dict[str, Any]:
         change = {"time": time.time(), "why": why, "replicas": {g: list(n) for g, n in sizes.items()},
@@ -230,7 +263,7 @@ class Elastic:
         self.changes.append(change)
         return change
 
-    def _save(self) -> None:
+    def save(self) -> None:
         recipe = self.launcher.recipe
         live = {g.id: len(self.members.live(recipe, g.id)) for g in recipe.groups}
         run_dir = self.launcher.run_dir

@@ -291,7 +291,9 @@ class Launcher:
                 self.signals.check()
                 if self.zygote is not None and self.zygote.process.poll() is not None:
                     return self._fail(self.zygote.process, controller, secret)
-                running += elastic.poll() if elastic is not None else []  # `meshrl scale`
+                running += elastic.poll() if elastic is not None else []  # `meshrl scale`, `meshrl join`
+                if elastic is not None and elastic.failed:  # a group's last replica left with its host
+                    return 1
                 for c in list(running):
                     if (code := c.poll()) is None:
                         continue
@@ -304,6 +306,8 @@ class Launcher:
                         return self._fail(self._cause(c), controller, secret)
                 time.sleep(0.1)
         finally:
+            if elastic is not None:
+                elastic.close()
             if follower is not None:
                 follower.stop()
                 with contextlib.suppress(OSError, RuntimeError, TimeoutError):

@@ -8,7 +8,8 @@ One publication: an announcement in the store (`pub/<n>`: version, the group's e
 manifest of names, shapes, dtypes and bucket sizes), then the tensors packed into byte buckets of at
 most `bucket_bytes` each (`weights_packing.py`: the layout), broadcast, so memory stays bounded
 whatever the model size. When every receiver shares the trainer's host (CPU), the tensors go through
-one shared-memory segment instead and the barrier through the store (`weights_shm.py`). A final
+one shared-memory segment instead and the barrier through the store (`weights_shm.py`); an epoch
+with a member on another host (`meshrl join`) broadcasts the segment's buckets. A final
 barrier tells the trainer that every replica has applied the version before it opens the gate (and,
 with shared memory, that the segment may be written again). Receivers sit in `wait()` on a thread of
 their own, woken by the store the moment an announcement is written: no polling. `close()` announces
@@ -43,14 +44,17 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from meshrl.dataplane.wire import host_id
 from meshrl.runtime.weights_packing import (
     Header,
     Manifest,
+    broadcast_from_trainer,
     buckets,
     incoming,
     layout,
     one_thread,
     pack,
+    process_group,
     reader,
     span,
 )
@@ -121,9 +125,10 @@ class WeightGroup:
         self.changes = 0  # rank 0: joins and leaves taken into an epoch
         self.pending: tuple[Header, int, Sequence[torch.Tensor] | None] | None = None  # posted, unfinished
         self.watch_store: Any = None
+        self.elsewhere: set[str] = set()  # rank 0: members off its host (not in shared memory's reach)
         if rank == 0:
             self.store.set("transport", "shm" if shm is not None else "broadcast")
-        self.shared = self.store.get("transport") == b"shm"
+        self.shared = self.store.get("transport") == b"shm"  # this epoch's; announced with each
         if rank != 0 and self.store.check(["formed"]):
             self._ask_to_join()
         else:
@@ -144,12 +149,10 @@ class WeightGroup:
         memory there is none: the store carries the barrier too."""
         self.epoch = epoch
         self.pg = None
-        if self.shared:
-            pass
-        elif self.member is not None:
+        if not self.shared and self.member is not None:
             timeout_s = self.timeout.total_seconds()
             self.member.join(self.host, self.port, epoch, self.rank, self.world_size, timeout_s)
-        else:
+        elif not self.shared:
             store = dist.PrefixStore(f"epoch{epoch}/", self.store)
             self.pg = process_group(store, self.rank, self.world_size, self.device, self.timeout)
         self.formed = True
@@ -241,18 +244,21 @@ class WeightGroup:
             self._announce(header)
             self.pending = (header, bucket_bytes, tensors)
             return
+        # the segment holds every version; an epoch with a member elsewhere broadcasts it from there
         plan = buckets(manifest, bucket_bytes)
         segment = (
             self.memory.staging(span(size for size, _ in plan), self.epoch) if tensors is not None else None
         )
-        header["shm"] = self.memory.path()
+        if self.shared:
+            header["shm"] = self.memory.path()
         self._announce(header)
         write = reader(segment) if segment is not None else None
         with one_thread():
             for k, (size, members) in enumerate(plan):
                 if write is not None and tensors is not None:
                     pack(manifest, tensors, members, write(size))
-                self.store.set(f"staged/{self.published}/{k}", "")
+                if self.shared:
+                    self.store.set(f"staged/{self.published}/{k}", "")
         self.pending = (header, bucket_bytes, None)
 
     def finish(self, *, rejoin_timeout_s: float = 600.0) -> int:
@@ -273,6 +279,10 @@ class WeightGroup:
                         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
                         pack(manifest, tensors, members, buf)
                         self._broadcast(buf)
+                elif self.shm is not None and "shm" not in header:  # from the segment
+                    read = reader(self.memory.staging(span(size for size, _ in plan), self.epoch))
+                    for size, _ in plan:
+                        self._broadcast(read(size))
                 self._barrier()  # with shared memory too: nobody reads the segment any more
                 # every receiver has read the announcement: delete it (the barrier's few bytes stay); a
                 # delete waits for the store's answer, so it happens here, off the training thread
@@ -313,11 +323,15 @@ class WeightGroup:
             if "join" in change:
                 if change["join"] not in self.members:
                     self.members.append(change["join"])
+                if change.get("host", host_id()) != host_id():
+                    self.elsewhere.add(change["join"])
                 # where the joiner comes in: this epoch's first announcement
                 self.store.set(f"change/{k}/go", json.dumps({"epoch": self.epoch, "pub": self.published + 1}))
             elif change["leave"] in self.members:
                 self.members.remove(change["leave"])
+                self.elsewhere.discard(change["leave"])
         self.changes = changes
+        self.shared = self.shm is not None and not self.elsewhere
         self.world_size = 1 + len(self.members)
         log.info(
             "weight group re-forms in epoch %d: %s", self.epoch, ", ".join(self.members) or "no receivers"
@@ -349,7 +363,7 @@ class WeightGroup:
         """A restarted or new replica: the others formed the group already; ask the trainer to re-form
         it with this one (its rank comes with the epoch's first announcement)."""
         k = self.store.add("changes", 1)
-        self.store.set(f"change/{k}", json.dumps({"join": self.name}))
+        self.store.set(f"change/{k}", json.dumps({"join": self.name, "host": host_id()}))
         _wait_key(self.store, f"change/{k}/go")
         go = json.loads(self.store.get(f"change/{k}/go"))
         self.epoch, self.published = go["epoch"], go["pub"] - 1
@@ -368,6 +382,7 @@ class WeightGroup:
             if self.name not in members:
                 raise RuntimeError(f"{self.name} was taken out of the weight group (declared gone)")
             self.rank, self.world_size = 1 + members.index(self.name), 1 + len(members)
+            self.shared = "shm" in header  # every member on the trainer's host, or a broadcast
             self._form(header["epoch"])
         return header
 
@@ -421,22 +436,6 @@ def declare_left(host: str, port: int, name: str, timeout_s: float = 10.0) -> No
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     k = store.add("changes", 1)
     store.set(f"change/{k}", json.dumps({"leave": name}))
-
-
-def process_group(store: Any, rank: int, world_size: int, device: torch.device, timeout: timedelta) -> Any:
-    """A standalone process group over `store`: NCCL on GPU, gloo otherwise (not the default group, so it
-    lives beside a trainer's FSDP group or an engine's own)."""
-    if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-
-def broadcast_from_trainer(pg: Any, tensor: torch.Tensor) -> None:
-    """Broadcast `tensor` from rank 0 (the trainer) over the standalone group `pg`, and wait for it."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    pg.broadcast([tensor], opts).wait()
 
 
 def _wait_key(store: Any, key: str) -> None:

@@ -10,7 +10,8 @@ buckets and checks their sizes against the trainer's (`incoming`).
 
 The trainer copies tensors in (`pack`), receivers take named views out (`unpack`), each with one
 operation per run of one dtype rather than per tensor; the copies on either end run on one torch thread
-(`one_thread`).
+(`one_thread`). Over the broadcast, the buckets go from the trainer (rank 0) over a standalone process
+group (`process_group`, `broadcast_from_trainer`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshrl.dataplane.batch import DTYPE_NAMES, TORCH_DTYPES
 
@@ -168,3 +171,19 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def process_group(store: Any, rank: int, world_size: int, device: torch.device, timeout: timedelta) -> Any:
+    """A standalone process group over `store`: NCCL on GPU, gloo otherwise (not the default group, so it
+    lives beside a trainer's FSDP group or an engine's own)."""
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def broadcast_from_trainer(pg: Any, tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` from rank 0 (the trainer) over the standalone group `pg`, and wait for it."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    pg.broadcast([tensor], opts).wait()

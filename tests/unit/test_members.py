@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from meshrl.planning.config import RecipeError
-from meshrl.planning.members import Membership, ScaleRefused, scale, without
+from meshrl.planning.members import Host, Membership, ScaleRefused, host_gone, join_host, scale, without
 from meshrl.planning.recipe import load_recipe
 from meshrl.planning.topology import Device, plan
 
@@ -126,8 +126,57 @@ def test_restart_mode_leave_needs_a_group_that_can_shrink(sim):
     plan(sim("inference.restart.mode=leave"), [Device(0, "h", 0)])
 
 
+def test_a_host_joins_with_replicas_on_its_own_ranks_and_leaves_with_them(sim, tiny_model):
+    r, devices = sim(), [Device(0, "h", 0)]
+    before = plan(r, devices)
+    members, host = join_host(r, devices, Membership(), "h2", 0, {"inference": 2})
+    assert host == Host("h2", 1, 0) and list(host.ranks) == [1]
+    assert join_host(r, devices, Membership(), "h2", 0, {"inference": 2}) == (members, host)  # pure
+    topology = plan(r, devices, members)
+    joined = [
+        p for rep in topology.replicas if rep.group == "inference" and rep.index > 0 for p in rep.processes
+    ]
+    assert [(p.name, p.host, p.rank) for p in joined] == [
+        ("inference-1-1", "h2", 1),
+        ("inference-2-1", "h2", 1),
+    ]
+    # the new host runs a storage server; no process of the run changes ports; none collide, even with
+    # the new host on the same machine as the first (its ports are its rank's band)
+    assert [h for h, _, _ in topology.storage] == ["h", "h2"]
+    old = {p.name: p.ports for rep in before.replicas for p in rep.processes}
+    assert all(p.ports == old[p.name] for rep in topology.replicas for p in rep.processes if p.name in old)
+    used = [port for rep in topology.replicas for p in rep.processes for port in p.ports]
+    used += [topology.controller_port, *(port for _, _, port in topology.storage)]
+    assert len(used) == len(set(used))
+    # the planner's default: the devices filled with the first group that can grow and takes weights
+    default, _ = join_host(r, devices, Membership(), "h2", 0, {})
+    assert default.live(r, "inference") == [0, 1]
+    # a later scale-out may place a CPU replica on the joined launcher (round-robin by index)
+    grown = scale(r, members.ranks(devices), members, "inference", 4)
+    assert [j.places for j in grown.joined if j.index == 3] == [((1, 2),)]
+    # the host goes: its replicas and ranks with it, the rest as it was
+    gone = host_gone(r, members, 1)
+    assert gone == Membership() and plan(r, devices, gone) == before
+    for asked, why in [
+        ({"trainer": 1}, "trainer publishes the weights"),
+        ({"inference": 0}, "at least one replica on the joining host"),
+    ]:
+        with pytest.raises(ScaleRefused, match=why):
+            join_host(r, devices, Membership(), "h2", 0, asked)
+    with pytest.raises(ScaleRefused, match="a launcher of host 'h2' has joined already"):
+        join_host(r, devices, members, "h2", 0, {})
+    g = load_recipe(REPO / "recipes" / "grpo_arith.py", [f"*.model={tiny_model}"])  # inference on a device
+    two = [Device(0, "h", 0), Device(1, "h", 1)]
+    members, host = join_host(g, two, Membership(), "h2", 2, {})
+    assert list(host.ranks) == [2, 3] and members.live(g, "inference") == [0, 1, 2]
+    placed = plan(g, two, members)
+    assert {(p.rank, p.host, p.local_rank, p.uses_device) for rep in placed.replicas if rep.index > 0
+            for p in rep.processes} == {(2, "h2", 0, True), (3, "h2", 1, True)}  # fmt: skip
+
+
 def test_the_membership_survives_its_json(sim):
     r = sim()
     members = scale(r, [(0, True)], without(r, Membership(), "inference", 0), "inference", 3)
+    members, _ = join_host(r, [Device(0, "h", 0)], members, "h2", 1, {"inference": 1})
     assert Membership.from_json(members.to_json()) == members
     assert Membership.from_json(None) == Membership()

@@ -55,10 +55,10 @@ def tensors(version: int) -> list[torch.Tensor]:
     return [torch.full((1000,), float(version)), torch.full((3, 7), version * 10, dtype=torch.int64)]
 
 
-def receiver(port: int, rank: int, name: str = "") -> subprocess.Popen[str]:
+def receiver(port: int, rank: int, name: str = "", host: str = "") -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", RECEIVER, str(port), str(rank), *([name] if name else [])], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), **({"MESHRL_HOST_ID": host} if host else {})},
     )  # fmt: skip
 
 
@@ -146,7 +146,8 @@ def test_members_join_and_leave_during_a_publication(tmp_path: Path, transport: 
         group.post(1, MANIFEST, tensors(1), bucket_bytes=BUCKET)
         joins = receiver(port, 3, "inference-7")  # its rank comes with its epoch
         procs.append(joins)
-        assert group.wait_for_change(1) == {"join": "inference-7"}  # it has asked (the watcher's wait)
+        asked = group.wait_for_change(1)  # it has asked (the watcher's wait)
+        assert asked["join"] == "inference-7"
         vanishes.send_signal(signal.SIGKILL)
         vanishes.wait()
         declare_left("127.0.0.1", port, "rank2")
@@ -169,6 +170,43 @@ def test_members_join_and_leave_during_a_publication(tmp_path: Path, transport: 
         assert line(stays) == {"version": 2, "epoch": 2, "ok": True}
         group.close()
         assert stays.wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_member_on_another_host_turns_shared_memory_into_a_broadcast_and_back(tmp_path: Path) -> None:
+    """Every receiver on the trainer's host: shared memory. A replica of another host joins (`meshrl
+    join`): its epochs go by broadcast, to everyone, the bytes read from the segment the version was
+    staged in (a join between publications gets the version already published); once it has left, the
+    next epoch is shared memory again."""
+    port = free_base_port()
+    here = [receiver(port, 1), receiver(port, 2)]
+    procs = list(here)
+    try:
+        group = WeightGroup("127.0.0.1", port, 0, 3, timeout_s=60, shm=(str(tmp_path), "meshrl-test-weights"))
+        assert [line(p) for p in here] == [{"joined": 0}] * 2
+        group.send(0, MANIFEST, tensors(0), bucket_bytes=BUCKET)
+        assert [line(p) for p in here] == [{"version": 0, "epoch": 0, "ok": True}] * 2
+        away = receiver(port, 3, "inference-2", host="another-host")
+        procs.append(away)
+        assert group.wait_for_change(1) == {"join": "inference-2", "host": "another-host"}
+        group.send(0, MANIFEST, None, bucket_bytes=BUCKET)  # the watcher's re-send: from the segment
+        assert not group.shared and group.members == ["rank1", "rank2", "inference-2"]
+        assert line(away) == {"joined": 1}
+        assert [line(p) for p in [*here, away]] == [{"version": 0, "epoch": 1, "ok": True}] * 3
+        group.send(1, MANIFEST, tensors(1), bucket_bytes=BUCKET)
+        assert [line(p) for p in [*here, away]] == [{"version": 1, "epoch": 1, "ok": True}] * 3
+        away.send_signal(signal.SIGTERM)
+        away.wait()
+        declare_left("127.0.0.1", port, "inference-2")
+        group.send(2, MANIFEST, tensors(2), bucket_bytes=BUCKET)
+        assert group.shared and group.members == ["rank1", "rank2"]
+        assert [line(p) for p in here] == [{"version": 2, "epoch": 2, "ok": True}] * 2
+        group.close()
+        assert all(p.wait(timeout=30) == 0 for p in here)
     finally:
         for p in procs:
             if p.poll() is None:

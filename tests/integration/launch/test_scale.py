@@ -176,3 +176,88 @@ def test_replicas_of_inference_and_the_reference_join_and_leave_a_training_run(
     assert max(joined) <= 3 * max(m["kl_behaviour"] for m in same[4:8]) + 1e-3, (joined, same[4:8])
     exactly_once(run_dir, steps)
     assert "reference-1-3" not in (run_dir / "topology.json").read_text()  # rewritten: it has left
+
+
+def join(run_dir: Path, *args: str, host: str = "second-host") -> subprocess.Popen[str]:
+    """`meshrl join RUN_DIR ...` as a launcher of another host: a host id of its own, so its processes
+    use the data plane's cross-host path (a storage server of its own, reads over TCP)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MESHRL_HOST_ID": host}
+    cmd = [sys.executable, "-m", "meshrl.cli", "join", str(run_dir), *args]
+    log = open(run_dir.parent / f"join-{host}.log", "w")  # noqa: SIM115 - the process holds it
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=run_dir.parent)
+
+
+def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_model: Path) -> None:
+    """A launcher standing for another host joins the running run with two inference replicas, which
+    take rows at once; stopped (SIGTERM), it drains them, serves the rows they wrote until the run has
+    read them, and leaves. A second one joins (the planner's default: one inference replica) and stays
+    to the run's end. Every sample is generated and trained once."""
+    steps, run_dir = 16, tmp_path / "run"
+    proc = start(
+        tmp_path, f"*.model={tiny_model}", *FAST, f"total_steps={steps}", f"run_dir={run_dir}", recipe=SIM
+    )
+    joiners: list[subprocess.Popen[str]] = []
+    try:
+        wait_steps(proc, run_dir, 2)
+        bad = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", "127.0.0.1:1"], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)  # fmt: skip
+        assert bad.returncode == 1 and "the run's secret is required" in bad.stderr, bad.stderr
+        refused = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", str(run_dir), "trainer=1"],
+                                 capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "PYTHONPATH": str(REPO), "MESHRL_HOST_ID": "h3"})  # fmt: skip
+        assert refused.returncode == 1 and refused.stderr.strip() == (
+            "meshrl join: refused: trainer publishes the weights and takes the checkpoints: one replica, "
+            "fixed at start"
+        ), refused.stderr
+        joiners.append(join(run_dir, "inference=2"))
+        wait_for(lambda: len(changes(run_dir)) >= 1 and len(changes(run_dir)[0]["join_s"]) == 2, proc)
+        wait_steps(proc, run_dir, steps_done(run_dir) + 2)
+        joiners[0].send_signal(signal.SIGTERM)
+        assert joiners[0].wait(timeout=120) == 0, (tmp_path / "join-second-host.log").read_text()[-3000:]
+        wait_for(lambda: len(changes(run_dir)) >= 3, proc)
+        joiners.append(join(run_dir, host="third-host"))  # no GROUP=N: one inference replica
+        wait_for(lambda: len(changes(run_dir)) >= 4 and changes(run_dir)[3]["join_s"], proc)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-4000:]
+        assert joiners[1].wait(timeout=60) == 0  # the run ended: so does the launcher that joined it
+    finally:
+        for p in [proc, *joiners]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [m["step"] for m in rows(run_dir / "metrics.jsonl")] == list(range(steps))
+    exactly_once(run_dir, steps)
+    done = changes(run_dir)
+    assert [(c["why"], c["replicas"], sorted(c["joined"]), c.get("host")) for c in done] == [
+        ("host joined", {"inference": [1, 3]}, ["inference-1-1", "inference-2-1"], "second-host"),
+        ("host leaving", {"inference": [3, 2]}, [], "second-host"),
+        ("host leaving", {"inference": [2, 1]}, [], "second-host"),
+        ("host joined", {"inference": [1, 2]}, ["inference-1-1"], "third-host"),  # ranks and ports reused
+    ], done
+    assert sorted(n for c in done[1:3] for n in c["gone"]) == ["inference-1-1", "inference-2-1"]
+    assert all(s < 10 for c in done for s in c["join_s"].values()), done
+    assert (run_dir / "logs" / "storage-second-host.log").exists()  # the new host's own storage server
+    status = subprocess.run([sys.executable, "-m", "meshrl.cli", "status", str(run_dir)], capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60).stdout  # fmt: skip
+    shape = status[status.index("replicas: ") :].splitlines()
+    assert shape[0].endswith("inference 2, trainer 1; hosts joined: third-host; changes of the run's shape:")
+    assert re.fullmatch(r"  \S+  host joined second-host inference 1 -> 3: joined inference-1-1 \(\d+\.\ds\), "
+                        r"joined inference-2-1 \(\d+\.\ds\)", shape[1]), shape  # fmt: skip
+    for name in ("inference-1-1", "inference-2-1"):
+        log = (run_dir / "logs" / f"{name}.log").read_text()
+        assert "re-joining the weight group" in log, log[-2000:]
+    generated = account(run_dir / "ledger.jsonl", "samples", "inference")
+    assert generated.duplicated == 0
+
+
+def changes(run_dir: Path) -> list[dict]:
+    try:
+        return list(json.loads((run_dir / "members.json").read_text())["changes"])
+    except (OSError, ValueError):
+        return []
+
+
+def wait_for(ready, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
