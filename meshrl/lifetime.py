@@ -9,7 +9,7 @@ import os
 import signal
 
 
-def die_with_parent() -> None:
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """First thing in a child process: get SIGTERM when the process that started it dies, even by
     SIGKILL (Linux). Asked for here, after exec, and not in a pre-exec hook: Python code run between
     fork and exec in a launcher with threads (gloo, ZMQ) can deadlock on a lock another thread held at
@@ -18,6 +18,6 @@ def die_with_parent() -> None:
     if parent is None:
         return
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     if os.getppid() != int(parent):  # the parent died before we could ask
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sig)

@@ -31,7 +31,7 @@ from meshrl.dataplane.batch import (
     from_numpy,
     normalise,
 )
-from meshrl.dataplane.shm import MapCache, Segment, SegmentPool, align
+from meshrl.dataplane.shm import MapCache, Segment, SegmentPool, align, shm_directory
 from meshrl.dataplane.wire import host_id
 
 
@@ -91,8 +91,9 @@ class ClientCore:
         # the pid keeps a restarted process (same client name, restored run) clear of its predecessor's
         # segments, which a restored data plane may still hold; the count keeps two clients of one name
         # in one process clear of each other's
-        self.pool = SegmentPool(reply.shm_dir, f"meshrl-{reply.run}-{self.name}-{os.getpid()}-{next(_POOLS)}")
-        self.maps = MapCache(reply.shm_dir)
+        shm_dir = shm_directory(reply.shm_dir)
+        self.pool = SegmentPool(shm_dir, f"meshrl-{reply.run}-{self.name}-{os.getpid()}-{next(_POOLS)}")
+        self.maps = MapCache(shm_dir)
         self.storages = dict(reply.storages)
 
     def local(self, reply: P.HelloReply) -> str:

@@ -19,6 +19,14 @@ import numpy as np
 from meshrl.dataplane.protocol import check_segment_name
 
 DEFAULT_SHM_DIR = "/dev/shm"
+
+
+def shm_directory(default: str = DEFAULT_SHM_DIR) -> str:
+    """Where this host's segments live: MESHRL_SHM_DIR if set (a host's own directory, so that two
+    "hosts" of a test on one machine share no memory), else `default` (the controller's)."""
+    return os.environ.get("MESHRL_SHM_DIR") or default
+
+
 ALIGN = 64
 
 

@@ -17,9 +17,11 @@ written here are read from it), a zygote, and the processes planned on its ranks
 membership changes it starts or drains (SIGUSR2) the processes planned on its ranks, and it reports
 each process that joined (its first generated row) or ended. SIGINT or SIGTERM: its processes are
 drained, each leaving the run as with `meshrl scale`, its storage server serves the rows they wrote
-until the run has read them, and it exits 0. Killed, or its host gone, its replicas leave the run
-too, but the rows they wrote that nobody had read yet are lost with the host's memory: the reader
-fails and the run follows its restart policy. When the run ends (or its lead
+until the run has read them, and it exits 0. Killed, its processes die with it and leave the run,
+and its storage server lingers to serve their rows until the run has read them (`--linger`). A host
+gone takes the rows written there and not read yet with its memory: the reader fails and the run
+follows its restart policy. Two "hosts" on one machine (tests) need a directory of shared memory
+each (MESHRL_SHM_DIR), as separate machines have. When the run ends (or its lead
 launcher goes) it stops its processes and exits.
 """
 
@@ -38,6 +40,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
+from meshrl.dataplane.shm import shm_directory
 from meshrl.dataplane.wire import host_id
 from meshrl.planning.members import Membership
 from meshrl.planning.recipe import RecipeError, load_recipe
@@ -66,9 +69,11 @@ class HostLauncher:
         self.devices = [Device(int(r), str(h), int(lr)) for r, h, lr in welcome["devices"]]
         self.members = Membership.from_json(welcome["members"])
         self.ranks = next(h.ranks for h in self.members.hosts if h.rank == self.rank)
-        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}, **welcome["env"],
-                    "MESHRL_RECIPE": str(recipe_path), "MESHRL_OVERRIDES": json.dumps(overrides),
-                    "PYTHONUNBUFFERED": "1", "MESHRL_HOST_ID": host_id()}  # fmt: skip
+        # the run's settings from its lead; this host's own facts (its id, its shared memory) from here
+        own = ("MESHRL_HOST_ID", "MESHRL_SHM_DIR", "MESHRL_LOG_LEVEL")
+        self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("MESHRL_") or k in own},
+                    **welcome["env"], "MESHRL_RECIPE": str(recipe_path), "MESHRL_OVERRIDES": json.dumps(overrides),
+                    "PYTHONUNBUFFERED": "1"}  # fmt: skip
         self.children: dict[str, Child] = {}
         self.draining: set[str] = set()
         self.ended: set[str] = set()  # ended while planned: not started again
@@ -104,13 +109,19 @@ class HostLauncher:
             print(f"[meshrl] join: {busy}", file=sys.stderr, flush=True)
             return 1
         controller, secret = self.env["MESHRL_CONTROLLER"], self.env.get("MESHRL_SECRET")
-        for host, rank, port in topology.storage:  # this host is new to the run: tensors written here
-            if rank in self.ranks:
-                self._storage(host, port, controller, secret)
         from meshrl.runtime.launch import _prepare_dataplane
 
         run, shm_dir = _prepare_dataplane(controller, secret, [])
-        self.segments = (shm_dir, f"meshrl-{run}-")
+        self.segments = (shm_directory(shm_dir), f"meshrl-{run}-")
+        for host, rank, port in topology.storage:  # this host is new to the run: tensors written here
+            if rank in self.ranks:
+                Path(self.segments[0]).mkdir(parents=True, exist_ok=True)
+                if any(Path(self.segments[0]).glob(f"{self.segments[1]}*")):  # not a host of its own
+                    print(f"[meshrl] join: {self.segments[0]} holds the run's shared memory already: another "
+                          "launcher of this machine runs there; give this one a directory of its own "
+                          "(MESHRL_SHM_DIR) or the run's host id (MESHRL_HOST_ID)", file=sys.stderr, flush=True)  # fmt: skip
+                    return 1
+                self._storage(host, port, controller, secret, self.segments[0])
         groups = sorted({p.group for p in mine.values()})
         configs = [self.recipe.group(g).config for g in groups]
         modules = ["transformers", *sorted({m for c in configs for m in c.imports()})]
@@ -225,14 +236,15 @@ class HostLauncher:
         print(f"[meshrl] join: rows written here were not all read within {LINGER_S:.0f}s; leaving anyway",
               file=sys.stderr, flush=True)  # fmt: skip
 
-    def _storage(self, host: str, port: int, controller: str, secret: str | None) -> None:
+    def _storage(self, host: str, port: int, controller: str, secret: str | None, shm_dir: str) -> None:
         bind = "0.0.0.0" if self.recipe.dataplane.bind_all else "127.0.0.1"
         address = json.loads(self.env.get("MESHRL_ADDRESSES", "{}")).get(host, "127.0.0.1")
         ready = self.run_dir / f"storage-{host}.ready"
         ready.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "meshrl.dataplane.serve", "--log-level", "INFO", "--storage-only",
                 "--controller", controller, "--storage", f"tcp://{bind}:{port}",
-                "--advertise", f"tcp://{address}:{port}", "--ready-file", str(ready)]  # fmt: skip
+                "--advertise", f"tcp://{address}:{port}", "--ready-file", str(ready), "--shm-dir", shm_dir,
+                "--linger", str(LINGER_S)]  # fmt: skip
         env = {**self.env, **({"MESHRL_SECRET": secret} if secret else {})}
         child = Child(f"storage-{host}", argv, self.logs / f"storage-{host}.log", env)
         child.start()

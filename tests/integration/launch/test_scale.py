@@ -181,7 +181,8 @@ def test_replicas_of_inference_and_the_reference_join_and_leave_a_training_run(
 def join(run_dir: Path, *args: str, host: str = "second-host") -> subprocess.Popen[str]:
     """`meshrl join RUN_DIR ...` as a launcher of another host: a host id of its own, so its processes
     use the data plane's cross-host path (a storage server of its own, reads over TCP)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MESHRL_HOST_ID": host}
+    shm = run_dir.parent / f"shm-{host}"  # its own shared memory, as another machine has
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MESHRL_HOST_ID": host, "MESHRL_SHM_DIR": str(shm)}
     cmd = [sys.executable, "-m", "meshrl.cli", "join", str(run_dir), *args]
     log = open(run_dir.parent / f"join-{host}.log", "w")  # noqa: SIM115 - the process holds it
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=run_dir.parent)
@@ -191,8 +192,10 @@ def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_
     """A launcher standing for another host joins the running run with two inference replicas, which
     take rows at once; stopped (SIGTERM), it drains them, serves the rows they wrote until the run has
     read them, and leaves. A second one joins (the planner's default: one inference replica) and stays
-    to the run's end. Every sample is generated and trained once."""
-    steps, run_dir = 16, tmp_path / "run"
+    to the run's end. A third is killed (SIGKILL): its replica leaves the run, and its host's storage
+    server serves the rows it wrote until they are read. Every sample is generated and trained once;
+    each "host" has shared memory of its own."""
+    steps, run_dir = 30, tmp_path / "run"
     proc = start(
         tmp_path, f"*.model={tiny_model}", *FAST, f"total_steps={steps}", f"run_dir={run_dir}", recipe=SIM
     )
@@ -217,6 +220,11 @@ def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_
         wait_for(lambda: len(changes(run_dir)) >= 3, proc)
         joiners.append(join(run_dir, host="third-host"))  # no GROUP=N: one inference replica
         wait_for(lambda: len(changes(run_dir)) >= 4 and changes(run_dir)[3]["join_s"], proc)
+        joiners.append(join(run_dir, host="fourth-host"))
+        wait_for(lambda: len(changes(run_dir)) >= 5 and changes(run_dir)[4]["join_s"], proc)
+        wait_steps(proc, run_dir, steps_done(run_dir) + 1)
+        joiners[2].kill()  # its processes die with it; its storage serves their rows until they are read
+        wait_for(lambda: len(changes(run_dir)) >= 6, proc)
         assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-4000:]
         assert joiners[1].wait(timeout=60) == 0  # the run ended: so does the launcher that joined it
     finally:
@@ -232,6 +240,8 @@ def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_
         ("host leaving", {"inference": [3, 2]}, [], "second-host"),
         ("host leaving", {"inference": [2, 1]}, [], "second-host"),
         ("host joined", {"inference": [1, 2]}, ["inference-1-1"], "third-host"),  # ranks and ports reused
+        ("host joined", {"inference": [2, 3]}, ["inference-2-2"], "fourth-host"),
+        ("host left", {"inference": [3, 2]}, [], "fourth-host"),  # killed: its replica left with it
     ], done
     assert sorted(n for c in done[1:3] for n in c["gone"]) == ["inference-1-1", "inference-2-1"]
     assert all(s < 10 for c in done for s in c["join_s"].values()), done
@@ -240,6 +250,8 @@ def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60).stdout  # fmt: skip
     shape = status[status.index("replicas: ") :].splitlines()
     assert shape[0].endswith("inference 2, trainer 1; hosts joined: third-host; changes of the run's shape:")
+    storage = (run_dir / "logs" / "storage-fourth-host.log").read_text()
+    assert "the launcher is gone" in storage and "every row written here has been read" in storage, storage
     assert re.fullmatch(r"  \S+  host joined second-host inference 1 -> 3: joined inference-1-1 \(\d+\.\ds\), "
                         r"joined inference-2-1 \(\d+\.\ds\)", shape[1]), shape  # fmt: skip
     for name in ("inference-1-1", "inference-2-1"):
