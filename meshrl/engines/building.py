@@ -45,9 +45,6 @@ def build(
     head, activation checkpointing, LoRA adapters, FSDP over `world` ranks (one rank: not wrapped, FSDP's
     hooks would be pure overhead). A vision-language model's vision tower is frozen (and gets no
     adapters) unless `train_vision`; its connector trains with the language model."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"trainer model path {model_path!r} does not exist")
     model = load(model_path, head, loader_kwargs)
@@ -72,7 +69,10 @@ def build(
             frozen_dtype=compute_dtype,
             exclude=None if tower is None or train_vision else VISION_MODULES,
         )
-    if world > 1:
+    if world > 1:  # FSDP brings DTensor and sympy: imported only where it shards (0.6 s)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh(device.type, (world,))
         shard = functools.partial(fully_shard, mesh=mesh, **mixed_precision(compute_dtype))
         for layer in decoder_layers(model):

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from meshrl.algorithms import advantages as adv
 from meshrl.algorithms.distill import reverse_kl_advantages
@@ -283,6 +282,9 @@ class TrainerService(Service):
         """Steps 0..step-1 are done and version `step` is published: save the whole run. A failure
         (typically a full disk) removes the partial directory and stops with the cause; the checkpoint
         before stays whole."""
+        # imported here: torch.distributed.checkpoint brings DTensor and sympy (0.6 s of every start-up)
+        from torch.distributed.checkpoint.api import CheckpointException
+
         tmp = ckpt.tmp_dir(self.ctx.run_dir, step)
         try:
             self._checkpoint(step, tmp)
