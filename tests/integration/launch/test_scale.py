@@ -205,6 +205,15 @@ def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_
         bad = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", "127.0.0.1:1"], capture_output=True,
                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)  # fmt: skip
         assert bad.returncode == 1 and "the run's secret is required" in bad.stderr, bad.stderr
+        (tmp_path / "wrong").write_text("not-the-secret")
+        address = json.loads((run_dir / "join.json").read_text())["address"]
+        wrong = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", address, "--secret-file",
+                                str(tmp_path / "wrong")], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)  # fmt: skip
+        assert (wrong.returncode, wrong.stderr.strip()) == (
+            1,
+            f"meshrl join: {address} turned the secret down (not this run's)",
+        ), wrong.stderr
         refused = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", str(run_dir), "trainer=1"],
                                  capture_output=True, text=True, timeout=60,
                                  env={**os.environ, "PYTHONPATH": str(REPO), "MESHRL_HOST_ID": "h3"})  # fmt: skip
