@@ -152,7 +152,7 @@ class Hosts:
         env["MESHRL_ADDRESSES"] = json.dumps(launcher.addresses)
         welcome = {"ok": True, "rank": host.rank, "recipe": Path(launcher.recipe_path).read_text(),
                    "overrides": launcher.overrides, "devices": [[d.rank, d.host, d.local_rank] for d in self.elastic.devices],
-                   "members": members.to_json(), "env": env, "run_dir": str(launcher.run_dir)}  # fmt: skip
+                   "members": members.to_json(), "env": env, "run_dir": str(launcher.run_dir), "cwd": os.getcwd()}  # fmt: skip
         remote = Remote(conn, host, set())
         self.remotes[host.rank] = remote
         try:

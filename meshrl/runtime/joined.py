@@ -7,9 +7,9 @@ a running run, runs the replicas the planner gives it, and leaves with them.
 ADDRESS is the run's join endpoint (`RUN_DIR/join.json` on the run's host has it), or that run
 directory itself on the same machine. Off the run's machine the run's secret is required (the file
 `RUN_DIR/secret` of the run's host, copied here, or MESHRL_SECRET), and the recipe's paths (models,
-data) must resolve here as they do there. Without GROUP=N the host's devices are filled with replicas
-of the first group that can grow and receives weights (inference; one replica on a host without
-devices).
+data) must resolve here as they do there (it works in the lead's directory when that exists here).
+Without GROUP=N the host's devices are filled with replicas of the first group that can grow and
+receives weights (inference; one replica on a host without devices).
 
 The lead launcher (`meshrl/runtime/hosts.py`) answers with the recipe's text, the membership and the
 data plane's endpoint. This launcher starts a storage server when its host is new to the run (tensors
@@ -57,6 +57,8 @@ LINGER_S = 120.0  # leaving: how long the host's storage waits for the run to re
 class HostLauncher:
     def __init__(self, conn: Connection, welcome: dict[str, Any], signals: Signals) -> None:
         self.conn, self.signals = conn, signals
+        if os.path.isdir(welcome.get("cwd", "")):  # a shared file system: relative paths mean the same
+            os.chdir(welcome["cwd"])
         self.rank = int(welcome["rank"])
         self.run_dir = Path(welcome["run_dir"])
         self.logs = self.run_dir / "logs"
