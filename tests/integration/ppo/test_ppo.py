@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -123,7 +124,9 @@ def test_actor_critic_trains_its_value_head_and_resumes_it_from_a_checkpoint(tmp
     loss = [m["value_loss"] for m in actor]
     assert loss[0] > 0 and actor[0]["values_mean"] == pytest.approx(0.0, abs=0.05)  # a fresh head: all 0
     assert mean(loss[-2:]) < mean(loss[:2]), loss
-    assert all(-1 <= m["explained_variance"] <= 1 and "kl_ref" in m for m in actor)
+    # at most 1 (a perfect value), unbounded below: a batch whose returns barely vary gives -12 (seen)
+    assert all(math.isfinite(m["explained_variance"]) and m["explained_variance"] <= 1 and "kl_ref" in m
+               for m in actor)  # fmt: skip
     r = run(tmp_path, "--resume", *common, recipe=SHARED)  # steps 3..5 again, from the checkpoint
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = rows(tmp_path / "run" / "metrics.jsonl")
