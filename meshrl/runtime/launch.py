@@ -334,8 +334,10 @@ class Launcher:
         return ok and g.restart.mode == "on-failure" and self.rejoined.get(g.id, 0) < g.restart.max_restarts
 
     def _cause(self, child: Child) -> Child:
-        """The failure to act on when `child` failed: another failed process of this launcher that cannot
-        re-join (the trainer whose death broke the replica's weight group), else `child` itself."""
+        """The failure to act on when `child` failed: its zygote, if dead (its children die with it), or
+        another failed process that cannot re-join (a trainer, say), else `child` itself."""
+        if self.zygote is not None and self.zygote.process.poll() is not None:
+            return self.zygote.process
         others = (o for o in self.children if o is not child and o.poll() not in (None, 0))
         return next((o for o in others if not self._may_rejoin(o)), child)
 
