@@ -74,7 +74,6 @@ class Controller:
         # claims by the connection that made them: a connection that ends (its process died, or closed
         # its client) gives its unacknowledged rows back at once instead of when their leases run out
         self.claims_of: dict[Connection, set[tuple[str, str, int]]] = {}
-        self.client_of: dict[Connection, str] = {}  # a connection that ends says goodbye for its client
         self.parking = Parking()
         self.next_id = 0
         self.next_claim = 1
@@ -178,7 +177,6 @@ class Controller:
             self._waiting_hosts.discard(msg.host)
         else:
             self.segments.hello(msg.client, msg.host, msg.pid)
-            self.client_of[conn] = msg.client
         return P.HelloReply(
             run=self.run,
             shm_dir=self.shm_dir,
@@ -373,10 +371,7 @@ class Controller:
         return c is not None and claim_id in c.leases
 
     def _closed(self, conn: Connection) -> None:
-        """A client connection ended: its claims that are still open go back to the pool now, and the
-        segments its rows release from now on are unlinked (a process killed says no goodbye)."""
-        if (client := self.client_of.pop(conn, None)) is not None:
-            self.segments.bye(client)
+        """A client connection ended: its claims that are still open go back to the pool now."""
         for pname, cname, claim_id in sorted(self.claims_of.pop(conn, ())):
             if not self._has_lease(pname, cname, claim_id):
                 continue  # acknowledged or released
