@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from multiprocessing import AuthenticationError
@@ -46,6 +45,7 @@ from meshrl.planning.members import Membership
 from meshrl.planning.recipe import RecipeError, load_recipe
 from meshrl.planning.topology import HEALTH, Device, Process, plan
 from meshrl.runtime import ports
+from meshrl.runtime.peers import my_address
 from meshrl.runtime.supervise import Child, Interrupted, Signals, stop_all, sweep
 from meshrl.runtime.zygote import Forker
 
@@ -303,7 +303,7 @@ def main(argv: list[str]) -> int:
         print(f"meshrl join: {address} turned the secret down (not this run's)", file=sys.stderr)
         return 1
     signals = Signals()
-    hello = {"host": host_id(), "address": _address_toward(host), "devices": devices, "groups": groups,
+    hello = {"host": host_id(), "address": my_address(host), "devices": devices, "groups": groups,
              "time": time.time()}  # fmt: skip
     conn.send_bytes(json.dumps(hello).encode())
     welcome = json.loads(conn.recv_bytes())
@@ -335,16 +335,6 @@ def _endpoint(where: str, secret_file: str | None) -> tuple[str, str]:
         return where, os.environ["MESHRL_SECRET"]
     raise ValueError("the run's secret is required: --secret-file (RUN_DIR/secret on the run's host) or "
                      "MESHRL_SECRET")  # fmt: skip
-
-
-def _address_toward(host: str) -> str:
-    """This host's address on the interface that routes to `host`."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
 
 
 def _usage(why: str) -> int:

@@ -51,9 +51,10 @@ class Gloo:
         return [json.loads(bytes(o[: int(s.item())].tolist())) for o, s in zip(out, sizes, strict=True)]
 
 
-def my_address() -> str:
-    """The address other hosts reach this one at (the interface that routes to the rendezvous host)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+def my_address(toward: str | None = None) -> str:
+    """The address other hosts reach this one at: the interface that routes to `toward` (default: the
+    rendezvous host)."""
+    master = toward or os.environ.get("MASTER_ADDR", "127.0.0.1")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((master, 9))
