@@ -288,7 +288,7 @@ def main(argv: list[str]) -> int:
     devices = int(options.get("--devices", "0"))
     try:
         address, key = _endpoint(args[0], options.get("--secret-file"))
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # a bad address, an unreadable secret file
         print(f"meshrl join: {e}", file=sys.stderr)
         return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s join %(levelname)s %(message)s")
