@@ -7,17 +7,19 @@ The model: Qwen2.5-0.5B's parameter listing (Qwen2Config: hidden 896, 24 layers,
 2 KV heads, vocabulary 151936, tied embeddings), built on the meta device, its tensors materialised with
 random values in the published dtype. The trainer (this process) is rank 0 of a real weight group
 (`meshrl.runtime.weights.WeightGroup`); two receiver processes are ranks 1 and 2, each holding its own
-copy of the model's tensors and loading every publication into them as the HF engine does (a copy per
-tensor). Two transports, in the same invocation: the shared-memory segment (the CPU path when every
-replica shares the trainer's host; the trainer fills it bucket by bucket while the receivers copy the
-buckets already in) and the gloo broadcast (the path between hosts, NCCL's on GPU), in buckets of
+copy of the model's tensors and loading every publication as the HF engine does (a tensor of the
+parameter's dtype is kept as the parameter: no copy). Two transports, in the same invocation: shared
+memory (the CPU path when every replica shares the trainer's host; the trainer fills the next slot's
+segment bucket by bucket while the receivers take the buckets already in, as views) and the gloo
+broadcast (the path between hosts, NCCL's on GPU), in buckets of
 `--bucket-mb` (the trainer's default, 64).
 
 One publication is timed from the trainer's `post` (the copy into the segment, or the first bucket) to
 the end of `finish` (every replica has loaded the version and passed the barrier). Each version changes
 every tensor, and after each one both receivers check what they loaded against checksums the trainer
 computed (outside the timing): a mismatch fails the run. memcpy: the same tensors copied once, on one
-thread, into preallocated ones. Medians of 5 publications (after one warm-up) and of 5 copies.
+thread, into preallocated ones. Medians of 5 publications and of 5 copies, after 3 warm-ups (one per
+shared-memory slot: a slot's first fill allocates its pages, and each receiver maps it once).
 
 Keys: shm_gb_per_s, broadcast_gb_per_s, memcpy_gb_per_s (bytes / median time), publish_s (median, shared
 memory), publish_s_broadcast, shm_over_memcpy, broadcast_over_memcpy, gigabytes, tensors, verified.
@@ -35,7 +37,7 @@ import time
 
 import torch
 
-REPS, WARMUP = 5, 1
+REPS, WARMUP = 5, 3
 
 
 def manifest(layers: int, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -72,8 +74,11 @@ def receiver(port: int, rank: int, man: list, out: mp.Queue) -> None:
     group = WeightGroup("127.0.0.1", port, rank, 3, timeout_s=600)
 
     def apply(named: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in named:  # as the HF engine loads weights: into the model's tensors
-            mine[name].copy_(tensor)
+        for name, tensor in named:  # as the HF engine loads weights (`HFEngine.load_weights`)
+            if tensor.dtype == mine[name].dtype:
+                mine[name] = tensor
+            else:
+                mine[name].copy_(tensor)
 
     while (header := group.wait())["version"] >= 0:
         group.receive(header, apply)

@@ -182,7 +182,9 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor into the parameter of that name (converting dtype and device).
+        """Load each tensor into the parameter of that name (converting dtype and device). An engine may
+        keep a tensor of the parameter's dtype and device as the parameter (the HF engine does): the
+        caller hands it over and does not write it again (the weight group's tensors are such).
 
         May be called several times with parts of the model; it does not change `version` (call
         `set_version` once every part has arrived). An unknown name or a shape mismatch raises ValueError

@@ -211,6 +211,8 @@ class HFEngine(InferenceEngine):
                 )
             if offloaded:
                 self.store.write(name, tensor.to(param.dtype))
+            elif tensor.dtype == param.dtype and tensor.device == param.device:
+                param.data = tensor  # kept, not copied: a shared-memory version is the replicas' one copy
             else:
                 param.copy_(tensor)
 

@@ -14,13 +14,11 @@ Imported only inside vLLM's workers: nothing here imports vLLM.
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshrl.dataplane.shm import Segment
 from meshrl.runtime.weights_packing import (
     Header,
     broadcast_from_trainer,
@@ -29,6 +27,7 @@ from meshrl.runtime.weights_packing import (
     reader,
     span,
 )
+from meshrl.runtime.weights_shm import SharedWeights
 
 
 class WeightReceiver:
@@ -93,8 +92,6 @@ class WeightReceiver:
         return buf
 
     def _meshrl_mapped(self, name: str, size: int) -> torch.Tensor:
-        segment: Segment | None = getattr(self, "_meshrl_segment", None)
-        if segment is None or str(segment.path) != name:
-            path = Path(name)
-            segment = self._meshrl_segment = Segment.open(str(path.parent), path.name)
-        return torch.frombuffer(segment.mm, dtype=torch.uint8, count=size)
+        if getattr(self, "_meshrl_memory", None) is None:
+            self._meshrl_memory = SharedWeights(None)  # the slots' mappings, each made once
+        return self._meshrl_memory.mapped(name, size)

@@ -8,10 +8,10 @@ One publication: an announcement in the store (`pub/<n>`: version, the group's e
 manifest of names, shapes, dtypes and bucket sizes), then the tensors packed into byte buckets of at
 most `bucket_bytes` each (`weights_packing.py`: the layout), broadcast, so memory stays bounded
 whatever the model size. When every receiver shares the trainer's host (CPU), the tensors go through
-one shared-memory segment instead and the barrier through the store (`weights_shm.py`); an epoch
-with a member on another host (`meshrl join`) broadcasts the segment's buckets. A final
-barrier tells the trainer that every replica has applied the version before it opens the gate (and,
-with shared memory, that the segment may be written again). Receivers sit in `wait()` on a thread of
+shared-memory segments instead, which receivers keep as their weights, and the barrier through the
+store (`weights_shm.py`); an epoch with a member on another host (`meshrl join`) broadcasts the
+segment's buckets. A final barrier tells the trainer that every replica has applied the version before
+it opens the gate (and, with shared memory, that the slot before may be written again). Receivers sit in `wait()` on a thread of
 their own, woken by the store the moment an announcement is written: no polling. `close()` announces
 version -1 at the end of training.
 
@@ -229,10 +229,10 @@ class WeightGroup:
         bucket_bytes: int = 64 << 20,
     ) -> None:
         """Rank 0: announce a publication, taking in replicas that asked to join (a new epoch). With
-        shared memory, `tensors` are copied into the segment here, bucket by bucket after the
-        announcement, each marked staged as it lands (`staged/<n>/<k>` in the store), so the receivers
-        copy bucket k out while bucket k+1 goes in; call it from the thread that computes (the copies
-        run on one thread, `one_thread`). They may change once this returns (None: the segment already
+        shared memory, `tensors` are copied into the next slot's segment here, bucket by bucket after
+        the announcement, each marked staged as it lands (`staged/<n>/<k>` in the store), so the
+        receivers take bucket k while bucket k+1 goes in; call it from the thread that computes (the
+        copies run on one thread, `one_thread`). They may change once this returns (None: the last slot already
         holds this version). Over the broadcast they must stay until `finish` returns."""
         assert self.rank == 0 and self.pending is None
         changes = self.store.add("changes", 0)
@@ -280,7 +280,7 @@ class WeightGroup:
                         pack(manifest, tensors, members, buf)
                         self._broadcast(buf)
                 elif self.shm is not None and "shm" not in header:  # from the segment
-                    read = reader(self.memory.staging(span(size for size, _ in plan), self.epoch))
+                    read = reader(self.memory.staged(span(size for size, _ in plan)))
                     for size, _ in plan:
                         self._broadcast(read(size))
                 self._barrier()  # with shared memory too: nobody reads the segment any more
@@ -394,7 +394,8 @@ class WeightGroup:
         applied: Callable[[], None] | None = None,
     ) -> int:
         """Ranks 1..N: the tensors `wait` announced, calling `apply` once per bucket (with a `member`, the
-        member loads them instead). Returns the version.
+        member loads them instead). Returns the version. An engine may keep the tensors `apply` gets as
+        its weights: nothing writes them while it may use them (`weights_shm.SLOTS`).
 
         Split from `wait` so a receiver can block for the next version without holding anything, then
         take its engine's lock only while weights actually change. `applied` is called once every
@@ -410,7 +411,7 @@ class WeightGroup:
             self._collective(lambda: self.member.receive(header))  # type: ignore[union-attr]
         else:
             if "shm" in header:
-                mapped = self.memory.mapped(header["shm"], span(header["buckets"]), self.rank)
+                mapped = self.memory.mapped(header["shm"], span(header["buckets"]))
                 read = reader(mapped, self._staged)
             else:
                 read = self._received

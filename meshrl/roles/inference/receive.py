@@ -3,9 +3,9 @@
 A thread waits for the weight group's announcements (meshrl/runtime/weights.py) and loads each version
 into the engine, under the lock generation holds for a batch:
 
-- interrupt="finish": load directly if no batch is in progress; else receive into a staging copy without
-  the lock (the trainer is never held up by a batch in progress), then swap it in once the batch is
-  done. An engine whose workers receive the weights themselves (vLLM) cannot stage here: its update
+- interrupt="finish": load directly if no batch is in progress; else receive without the lock, keeping
+  the group's tensors (the trainer is never held up by a batch in progress; nothing writes them while
+  they may be in use: `weights_shm.SLOTS`), then swap them in once the batch is done. An engine whose workers receive the weights themselves (vLLM) cannot stage here: its update
   waits for the batch in progress.
 - interrupt="continue": ask the batch in progress to stop at its next token (`update_pending`), load
   the weights directly, and let the batch continue on them.
@@ -108,7 +108,7 @@ class Receiver:
         # engine whose workers receive the tensors themselves (no copy passes here) waits for the batch
         if not self.lock.acquire(blocking=self.continuing or self.weights.member is not None):
             staged: list[tuple[str, torch.Tensor]] = []
-            self.weights.receive(header, functools.partial(_stage, staged))  # the trainer is not held up
+            self.weights.receive(header, staged.extend)  # the trainer is not held up
             with self.lock:
                 self.engine.load_weights(staged)
                 self.engine.set_version(version)
@@ -135,8 +135,3 @@ class Receiver:
                 self.engine.set_version(-1)
                 self.lock.release()
                 self.update_pending.clear()
-
-
-def _stage(into: list[tuple[str, torch.Tensor]], named: list[tuple[str, torch.Tensor]]) -> None:
-    """Keep a copy of a received bucket (its buffer is reused by the next one)."""
-    into.extend((name, t.clone()) for name, t in named)
