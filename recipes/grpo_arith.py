@@ -3,7 +3,10 @@
     make run                                   # builds the model, warm-starts it, runs this recipe
     meshrl run recipes/grpo_arith.py *.model=runs/arith-sft total_steps=50 trainer.optim.lr=3e-4
 
-Three services on CPU: inference (1 device slot), trainer (1 device slot), rollout (no device).
+Three services on CPU: inference (1 device slot), trainer (1 device slot), rollout (no device). One
+torch thread each: on a ~1M-parameter model a second thread costs more in synchronisation than it
+gives (`benchmarks/e2e_cpu.py`: 855 samples/s with one thread each, 535-570 with two; the same
+numbers learned either way).
 """
 
 from meshrl.engines.settings import OptimConfig
@@ -37,7 +40,7 @@ def recipe() -> Recipe:
             ),
             ServiceGroup(
                 id="inference",
-                config=InferenceConfig(model=MODEL, max_new_tokens=4, threads=2),
+                config=InferenceConfig(model=MODEL, max_new_tokens=4, threads=1),
                 devices_per_replica=1,
             ),
             ServiceGroup(
@@ -46,7 +49,7 @@ def recipe() -> Recipe:
                     model=MODEL,
                     optim=OptimConfig(lr=3e-4, warmup_steps=5),
                     mini_batches=4,
-                    threads=2,
+                    threads=1,
                 ),
                 devices_per_replica=1,
             ),
