@@ -17,6 +17,7 @@ import fcntl
 import os
 import random
 import socket
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
@@ -129,3 +130,17 @@ def lock_run_dir(run_dir: Path) -> IO[str]:
     f.write(str(os.getpid()))
     f.flush()
     return f
+
+
+def wait_listening(host: str, port: int, timeout_s: float) -> None:
+    """Until something accepts connections at (host, port), looking every 10 ms, for at most `timeout_s`
+    seconds. A torch TCPStore client that finds no server there backs off for most of a second before
+    it tries again (0.65 s seen here): a service started beside the one whose store it joins waits here
+    instead (start-up: the trainer's weight store, which inference joins)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.01)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from meshrl.dataplane.wire import host_id
+from meshrl.runtime import ports
 from meshrl.runtime.weights_packing import (
     Header,
     Manifest,
@@ -117,6 +118,8 @@ class WeightGroup:
         self.members = list(members) or [f"rank{r}" for r in range(1, world_size)]  # rank 0: the epoch's
         self.device = torch.device(device)
         self.timeout = timedelta(seconds=timeout_s)
+        if rank != 0:  # the trainer's store may not be up yet (a TCPStore client would back off)
+            ports.wait_listening(host, port, timeout_s)
         self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=self.timeout)
         self.published = 0  # announcements made (rank 0) or read (receivers)
         self.epoch = 0
@@ -308,8 +311,7 @@ class WeightGroup:
                 self.post(version, header["tensors"], tensors, bucket_bytes=bucket_bytes)
 
     def _announce(self, header: Header) -> None:
-        """A `set` does not wait for the store's answer: the trainer is not held up while the store wakes
-        every receiver (dozens, on a few cores, take milliseconds). The key goes in `finish`."""
+        """A `set` does not wait for the store's answer (waking dozens of receivers takes milliseconds)."""
         self.published += 1
         self.store.set(f"pub/{self.published}", json.dumps(header))
 
@@ -333,9 +335,7 @@ class WeightGroup:
         self.changes = changes
         self.shared = self.shm is not None and not self.elsewhere
         self.world_size = 1 + len(self.members)
-        log.info(
-            "weight group re-forms in epoch %d: %s", self.epoch, ", ".join(self.members) or "no receivers"
-        )
+        log.info("weight group re-forms in epoch %d: %s", self.epoch, ", ".join(self.members) or "nobody")
 
     def changes_pending(self) -> bool:
         """Rank 0: a replica has asked to join, or was declared gone, since the current epoch formed."""
