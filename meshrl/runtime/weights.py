@@ -11,9 +11,9 @@ whatever the model size. When every receiver shares the trainer's host (CPU), th
 shared-memory segments instead, which receivers keep as their weights, and the barrier through the
 store (`weights_shm.py`); an epoch with a member on another host (`meshrl join`) broadcasts the
 segment's buckets. A final barrier tells the trainer that every replica has applied the version before
-it opens the gate (and, with shared memory, that the slot before may be written again). Receivers sit in `wait()` on a thread of
-their own, woken by the store the moment an announcement is written: no polling. `close()` announces
-version -1 at the end of training.
+it opens the gate (and, with shared memory, that the slot before may be written again). Receivers sit
+in `wait()` on a thread of their own, woken by the store the moment an announcement is written: no
+polling. `close()` announces version -1 at the end of training.
 
 This module is the group: its store, the announcements, the epochs and their process groups, re-joins
 and the failures of members.
@@ -235,8 +235,8 @@ class WeightGroup:
         shared memory, `tensors` are copied into the next slot's segment here, bucket by bucket after
         the announcement, each marked staged as it lands (`staged/<n>/<k>` in the store), so the
         receivers take bucket k while bucket k+1 goes in; call it from the thread that computes (the
-        copies run on one thread, `one_thread`). They may change once this returns (None: the last slot already
-        holds this version). Over the broadcast they must stay until `finish` returns."""
+        copies run on one thread, `one_thread`). They may change once this returns (None: the last slot
+        already holds this version). Over the broadcast they must stay until `finish` returns."""
         assert self.rank == 0 and self.pending is None
         changes = self.store.add("changes", 0)
         if not self.formed or changes > self.changes:  # a member joins or leaves (or the last epoch broke)
@@ -311,7 +311,7 @@ class WeightGroup:
                 self.post(version, header["tensors"], tensors, bucket_bytes=bucket_bytes)
 
     def _announce(self, header: Header) -> None:
-        """A `set` does not wait for the store's answer (waking dozens of receivers takes milliseconds)."""
+        """A `set` does not wait for the store's answer (waking dozens takes ms); `finish` deletes it."""
         self.published += 1
         self.store.set(f"pub/{self.published}", json.dumps(header))
 

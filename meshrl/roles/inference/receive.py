@@ -5,8 +5,9 @@ into the engine, under the lock generation holds for a batch:
 
 - interrupt="finish": load directly if no batch is in progress; else receive without the lock, keeping
   the group's tensors (the trainer is never held up by a batch in progress; nothing writes them while
-  they may be in use: `weights_shm.SLOTS`), then swap them in once the batch is done. An engine whose workers receive the weights themselves (vLLM) cannot stage here: its update
-  waits for the batch in progress.
+  they may be in use: `weights_shm.SLOTS`), then swap them in once the batch is done. An engine whose
+  workers receive the weights themselves (vLLM) cannot stage here: its update waits for the batch in
+  progress.
 - interrupt="continue": ask the batch in progress to stop at its next token (`update_pending`), load
   the weights directly, and let the batch continue on them.
 
