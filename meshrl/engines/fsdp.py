@@ -49,6 +49,7 @@ from meshrl.engines.settings import (
     OptimConfig,
     ValueHeadConfig,
 )
+from meshrl.engines.shared_prompts import grouped, indexable, plan, prompt_shared_hidden
 from meshrl.models.vision import model_inputs
 from meshrl.observe.metrics import merged
 
@@ -117,6 +118,8 @@ class FSDPEngine:
         )
         self.model: Any = model
         self.routing = attach(model)  # a mixture of experts' routers, hooked (None: a dense model)
+        self._share = head == "lm" and not (self.routing or memory.activation_checkpointing)  # a group's
+        self._share = self._share and indexable(self.hf_config)  # rows run their prompt once
         self._manifest = [
             (n, tuple(p.shape), DTYPE_NAMES[self._published(p.dtype)]) for n, p in self._policy_parameters()
         ]
@@ -183,21 +186,26 @@ class FSDPEngine:
         ids = mb.input_ids.to(self.device)
         whole = bool(mb.teachers) or not self._chunked
         few = {} if whole else {"logits_to_keep": 1}  # the last hidden state is all the chunks need
+        mask = mb.mask.to(self.device)
+        prompts, values = plan(mb) if self._share and not whole else None, None
         with self._autocast():
-            out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
-            hidden = out.hidden_states[-1][:, :-1]
-            values = self._head_values(hidden) if self.head == "lm+value" else None
+            if prompts is not None:
+                picked = prompt_shared_hidden(self.model, mb, prompts, self.device)
+            else:
+                out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
+                hidden = out.hidden_states[-1][:, :-1]
+                values = self._head_values(hidden) if self.head == "lm+value" else None
+                picked = hidden[mask]
         if whole:
             logits = out.logits[:, :-1]
             lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 ent = entropy(logits, temperature=temperature)
             return lp, ent, logits, values
-        mask = mb.mask.to(self.device)
         head = self.model.get_output_embeddings()
         bias = None if head.bias is None else head.bias.to(self.compute_dtype)
         lp, ent = head_logprobs(
-            hidden[mask].to(self.compute_dtype), head.weight.to(self.compute_dtype), ids[:, 1:][mask],
+            picked.to(self.compute_dtype), head.weight.to(self.compute_dtype), ids[:, 1:][mask],
             bias=bias, temperature=temperature, chunk=self.memory.logits_chunk,
         )  # fmt: skip
         return _scatter(mask, lp), _scatter(mask, ent), None, values
@@ -365,6 +373,7 @@ class FSDPEngine:
         if self.memory.max_tokens_per_micro_batch:
             return token_micro_batches(batch, self.memory.max_tokens_per_micro_batch)
         order = torch.argsort(batch.attention_mask.sum(1), descending=True)
+        order = grouped(batch, order) if self._share else order  # a group's rows in one micro-batch
         return [batch.rows(c) for c in order.split(self.memory.micro_batch)]
 
     def _max(self, values: list[float]) -> float:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from meshrl.engines.base import (
     FINISH_INTERRUPTED,
@@ -27,6 +26,7 @@ from meshrl.engines.base import (
     SamplingParams,
     check_token_ids,
 )
+from meshrl.engines.shared_prompts import distinct, indexable
 from meshrl.models.vision import Images, load_model, model_inputs
 
 # Finished rows are removed from the batch (and its KV cache) once they are at least this fraction of it:
@@ -143,6 +143,8 @@ class HFEngine(InferenceEngine):
         pad = getattr(self.model.config, "pad_token_id", None)
         self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self.vocab_size else 0
         self._eos = self._find_eos()
+        # rows of a KV cache that is not indexable by row can be neither shared nor dropped mid-batch
+        self._indexable = indexable(self.model.config)
         # a vision-language model's image placeholder is not text: a completion that samples it ends
         # before it (every forward of the sequence then finds exactly its prompt's images' tokens)
         image = getattr(self.model.config, "image_token_id", None)
@@ -263,9 +265,6 @@ class HFEngine(InferenceEngine):
                 results[i] = completion
         return [c for c in results if c is not None]
 
-    def _compactable(self, cache: DynamicCache) -> bool:
-        return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
-
     def _generate_batch(
         self,
         prompts: list[list[int]],
@@ -282,22 +281,24 @@ class HFEngine(InferenceEngine):
         row_seeds = (
             None if seeds is None else torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64)
         )
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self._pad_id] * (width - len(p)) + p for p in prompts], device=dev)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
-        # Left padding: real tokens sit at the right; their positions start at 0 regardless.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Left padding: real tokens sit at the right; their positions start at 0 regardless. A prompt
+        # that several rows have (a group's) is run once and its cache copied to them (shared_prompts.py).
+        compactable = self._indexable
+        unique = distinct(prompts, self._pad_id, dev, share=compactable and not pixels)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
+            input_ids=unique.ids,
+            attention_mask=unique.mask,
+            position_ids=unique.positions,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
             **(pixels or {}),
         )
-        compactable = self._compactable(cache)
+        logits = out.logits[:, -1][unique.of_row]
+        mask, positions = unique.mask[unique.of_row], unique.positions[unique.of_row]
+        if len(unique) < len(prompts):
+            cache.batch_select_indices(unique.of_row)
         batch = len(prompts)
         tokens_out = torch.full((batch, steps), -1, dtype=torch.long, device=dev)
         logprobs_out = torch.zeros((batch, steps), dtype=torch.float32, device=dev)
@@ -307,7 +308,7 @@ class HFEngine(InferenceEngine):
         produced = steps  # tokens generated per row at most (fewer when interrupted)
         for step in range(steps):
             u = None if row_seeds is None else _uniform(row_seeds[rows.cpu()], step)
-            tokens, logprobs = _sample(out.logits[:, -1, :], params, generator, u)
+            tokens, logprobs = _sample(logits, params, generator, u)
             tokens_out[rows, step] = tokens
             logprobs_out[rows, step] = logprobs
             if step == steps - 1:
@@ -332,6 +333,7 @@ class HFEngine(InferenceEngine):
                 past_key_values=cache,
                 use_cache=True,
             )
+            logits = out.logits[:, -1]
             next_pos = next_pos + 1
         # Each row ends at its first stop token; what a finished row sampled after it is discarded.
         tokens_out, logprobs_out = tokens_out[:, :produced], logprobs_out[:, :produced]

@@ -34,6 +34,9 @@ class TrainBatch:
     # a vision-language model's images, per sample in the order the rows hold them (None: one without);
     # a forward takes those of its rows concatenated, in the order their image tokens appear
     images: list[Images | None] | None = None
+    # [n] each row's prompt tokens (rows of one sample; None once packed): lets a group's rows share
+    # their prompt's forward (shared_prompts.py)
+    prompt_lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -55,6 +58,7 @@ class TrainBatch:
             teachers={k: tuple(pick(t) for t in v) for k, v in self.teachers.items()},  # type: ignore[misc]
             position_ids=None if self.position_ids is None else self.position_ids[index][:, :width],
             images=None if self.images is None else [self.images[i] for i in index.tolist()],
+            prompt_lengths=None if self.prompt_lengths is None else self.prompt_lengths[index],
         )
 
 
@@ -117,7 +121,7 @@ def pack(
     }
     return TrainBatch(
         ids, attn, mask, old, adv, tokens(ref_logprobs), stale, tokens(values), tokens(returns), distill,
-        position_ids=segment_positions(segments, width), images=images,
+        position_ids=segment_positions(segments, width), images=images, prompt_lengths=pl,
     )  # fmt: skip
 
 

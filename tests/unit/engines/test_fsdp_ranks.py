@@ -13,6 +13,7 @@ import torch
 from meshrl.engines.settings import LoraConfig
 from tests.conftest import REPO, free_base_port
 from tests.unit.engines.test_fsdp_engine import Step, engine_with, update_grads, varied
+from tests.unit.engines.test_shared_prompts import groups
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
@@ -39,3 +40,24 @@ def test_two_ranks_see_the_gradient_of_the_whole_batch(tiny_model, tmp_path: Pat
         # weights by ~1e-5; a wrong merge would be off by the update itself, lr = 1e-2)
         for a, b in zip(two["published"], engine.get_weights(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_two_ranks_running_each_prompt_once_see_the_gradient_of_the_rows_whole(
+    tiny_model, tmp_path: Path
+) -> None:
+    """Under FSDP a micro-batch whose rows share prompts takes two forwards (the prompts, then the
+    responses on their KV cache) before its backward: the gradient is still the whole batch's, as one
+    rank computes it with every row whole."""
+    out = tmp_path / "two.pt"
+    subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("two_ranks.py")), str(tiny_model), str(out),
+         str(free_base_port()), "0", "groups"],
+        check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    two = torch.load(out)
+    engine = engine_with(tiny_model, micro_batch=2)
+    engine._share = False
+    stats, grads = update_grads(engine, groups(size=4), Step())
+    assert two["stats"]["loss"] == pytest.approx(stats["loss"], rel=1e-5)
+    for a, b in zip(two["grads"], grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -419,3 +419,24 @@ def test_counter_based_uniforms_are_uniform() -> None:
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.002
     assert len(torch.unique(u)) == len(u)
+
+
+def test_rows_that_share_a_prompt_run_it_once_and_generate_as_alone(fresh_engine: HFEngine) -> None:
+    """A group's rows (one prompt, several samples) take one row of the prefill each prompt; what each
+    row generates is what it generates alone with its seed."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts = [[5, 6, 7]] * 4 + [[8, 9]] * 3 + [[10, 11, 12, 13]]
+    seeds = list(range(100, 108))
+    batches: list[int] = []
+    embed = fresh_engine.model.get_input_embeddings()
+    hook = embed.register_forward_pre_hook(lambda _m, args: batches.append(args[0].shape[0]))
+    try:
+        together = fresh_engine.generate(prompts, params, seeds=seeds)
+    finally:
+        hook.remove()
+    assert batches[0] == 3 and batches[1] == 8  # the distinct prompts, then every row decodes
+    alone = [fresh_engine.generate([p], params, seeds=[s])[0] for p, s in zip(prompts, seeds, strict=True)]
+    assert [c.tokens for c in together] == [c.tokens for c in alone]
+    for a, b in zip(together, alone, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert len({tuple(c.tokens) for c in together[:4]}) > 1  # the group's samples differ
