@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -191,6 +192,38 @@ def test_a_reward_past_its_time_limit_fails_its_sample_with_the_reason():
     assert elapsed < 2 and not scored.valid[0]
     assert "never_returns took longer than reward_timeout_s=0.5s" in str(scored.failure)
     assert scored.applied["blocking"] == {0: 1.0}  # the other function still scored the sample
+
+
+RELEASE = threading.Event()
+
+
+def hangs_on_third(prompt, completion, row):
+    """Scores 1, but on the sample whose completion is "hang" waits until the test releases it."""
+    if completion == "hang":
+        RELEASE.wait(30)
+    return 1.0
+
+
+def test_a_per_sample_reward_past_its_limit_fails_that_sample_and_the_others_go_on():
+    """A per-sample function runs a run of samples per thread, one after another: the call past its
+    limit fails with the reason, and the samples after it in its run are still scored."""
+    functions = [rewards.RewardFunction("hangs_on_third", hangs_on_third, 1.0, False, "")]
+    completions = ["a", "b", "hang", "c", "d", "e", "f", "g"]
+
+    async def go():
+        workers = rewards.Workers(threads=2, timeout_s=0.5)
+        t0 = time.monotonic()
+        scored = await rewards.score(functions, ["p"] * 8, completions, [{}] * 8, workers=workers)
+        elapsed = time.monotonic() - t0
+        RELEASE.set()  # the abandoned call returns now; its value is thrown away
+        workers.close()
+        return scored, elapsed
+
+    scored, elapsed = asyncio.run(go())
+    assert scored.valid.tolist() == [True, True, False, True, True, True, True, True]
+    assert scored.total.tolist() == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert "hangs_on_third took longer than reward_timeout_s=0.5s" in str(scored.failure)
+    assert elapsed < 2, elapsed
 
 
 def test_functions_that_ask_run_in_worker_processes_and_a_stuck_one_is_replaced():
