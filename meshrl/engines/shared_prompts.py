@@ -78,8 +78,10 @@ def split(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> Prompts:
 def plan(mb: TrainBatch) -> Prompts | None:
     """The distinct prompts of a micro-batch's rows where running each once saves `SAVING` of the
     tokens (the prompts once, then each row's response but its last token, against the rows whole);
-    None where it does not, or where a row is not one sample (packed, with images)."""
+    None where it does not, or where a row is not one sample (packed, with images) or has no prompt."""
     if mb.prompt_lengths is None or mb.position_ids is not None or mb.images:
+        return None
+    if int(mb.prompt_lengths.min()) < 1:  # no state before the response's first token to share
         return None
     prompts = split(mb.input_ids, mb.prompt_lengths)
     n, width = mb.input_ids.shape
