@@ -31,6 +31,8 @@ from meshrl.engines.packing import TrainBatch
 
 SAVING = 0.25
 """The least share of a micro-batch's tokens the shared prompts must save for the trainer to use them."""
+PACKED_MAX = 2048
+"""The widest packed group (`_packed`): its attention mask is width x width booleans."""
 
 
 @dataclass(frozen=True)
@@ -104,16 +106,96 @@ def grouped(batch: TrainBatch, order: torch.Tensor) -> torch.Tensor:
 
 def prompt_shared_hidden(model: Any, mb: TrainBatch, prompts: Prompts, device: torch.device) -> torch.Tensor:
     """The last hidden state at the positions of `mb.mask` (each predicting a response token), as
-    `hidden[:, :-1][mask]` of the rows computed whole gives it, with each distinct prompt run once.
-
-    The prompts' forward gives each row the state that predicts its response's first token (the
-    prompt's last); the responses' forward, with the prompts' KV cache copied to their rows, the states
-    that predict the next ones (a response's last token predicts nothing and is left out).
-    """
-    ids, mask, of_row = mb.input_ids.to(device), mb.mask.to(device), prompts.of_row.to(device)
-    prompt_mask = prompts.mask.to(device)
+    `hidden[:, :-1][mask]` of the rows computed whole gives it, with each distinct prompt run once: in
+    one forward of packed groups where that costs less (`_packed`), else in two (`_cached`)."""
     lengths = mb.prompt_lengths.to(device)  # type: ignore[union-attr]
     responses = mb.attention_mask.to(device).sum(1) - lengths
+    steps = int(responses.max()) - 1  # the response tokens that are inputs, at most (the last is none)
+    k = torch.arange(max(steps, 0) + 1, device=device)
+    if _packing_pays(model.config, prompts, responses, steps):
+        hidden = _packed(model, mb, prompts, responses, k, device)
+    else:
+        hidden = _cached(model, mb, prompts, responses, k, device)
+    # hidden[i, k] predicts response token k of row i: position prompt_lengths[i] - 1 + k of the row
+    mask = mb.mask.to(device)
+    take = mask.gather(1, (lengths[:, None] - 1 + k[None, :]).clamp(max=mask.shape[1] - 1))
+    take &= k[None, :] < responses[:, None]
+    if int(take.sum()) != int(mask.sum()):
+        raise ValueError("shared prompts: the mask has positions outside the rows' responses")
+    return hidden[take]
+
+
+def _packing_pays(config: Any, prompts: Prompts, responses: torch.Tensor, steps: int) -> bool:
+    """Whether one forward of packed groups (each group a row: its prompt, then every response) costs
+    less than the prompts' forward and the responses' on the prompts' cache. Both take about the same
+    tokens through the linear layers (12 h^2 multiply-adds a token); packing saves the second call
+    and the responses' padding, and pays attention over the whole packed row (4 h a pair of positions:
+    a group of long responses attends G times what its rows would). SDPA only (the mask is a custom
+    4D one), and a packed row of at most `PACKED_MAX` positions (its mask is width^2 booleans)."""
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    h, inputs = int(config.hidden_size), (responses - 1).clamp(min=0)
+    group = torch.zeros(len(prompts), dtype=torch.long).index_add_(0, prompts.of_row.cpu(), inputs.cpu())
+    width = int(prompts.mask.sum(1).max()) + int(group.max())
+    if width > PACKED_MAX:
+        return False
+    packed = len(prompts) * width * (12 * h * h) + len(prompts) * width * width / 2 * 4 * h
+    n, p = len(responses), prompts.ids.shape[1]
+    cached = (prompts.ids.numel() + n * max(steps, 0)) * 12 * h * h + n * max(steps, 0) * (p + steps) * 4 * h
+    return packed <= cached
+
+
+def _packed(
+    model: Any,
+    mb: TrainBatch,
+    prompts: Prompts,
+    responses: torch.Tensor,
+    k: torch.Tensor,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward: a row per distinct prompt holding the prompt, then each of its rows' responses but
+    the last token; a 4D mask lets a response attend to the prompt and to itself (causally), its
+    positions continuing the prompt's. Returns hidden [n, 1 + S, H]: [i, k] predicts row i's token k."""
+    ids, of_row = mb.input_ids.tolist(), prompts.of_row.tolist()
+    rows = [p[m.bool()].tolist() for p, m in zip(prompts.ids.cpu(), prompts.mask.cpu(), strict=True)]
+    seg = [[0] * len(r) for r in rows]  # 0: the prompt; i + 1: row i's response
+    pos = [list(range(len(r))) for r in rows]
+    at = torch.zeros((len(ids), len(k)), dtype=torch.long)  # packed position of the state for token k
+    for i, (u, plen, r) in enumerate(
+        zip(of_row, mb.prompt_lengths.tolist(), responses.tolist(), strict=True)
+    ):  # type: ignore[union-attr]
+        start, tokens = len(rows[u]), ids[i][plen : plen + max(r - 1, 0)]
+        rows[u] += tokens
+        seg[u] += [i + 1] * len(tokens)
+        pos[u] += range(plen, plen + len(tokens))
+        at[i, 0], at[i, 1 : 1 + len(tokens)] = plen - 1, torch.arange(start, start + len(tokens))
+    width = max(len(r) for r in rows)
+    pad = lambda xs, v: torch.tensor([x + [v] * (width - len(x)) for x in xs], device=device)  # noqa: E731
+    segments = pad(seg, -1)
+    q = torch.arange(width, device=device)
+    same = (segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])
+    real = (segments[:, :, None] >= 0) & (segments[:, None, :] >= 0)
+    attend = (q[None, :] <= q[:, None]) & same & real | torch.eye(width, dtype=torch.bool, device=device)
+    out = model(
+        input_ids=pad(rows, 0), attention_mask=attend[:, None], position_ids=pad(pos, 0),
+        output_hidden_states=True, logits_to_keep=1,
+    )  # fmt: skip
+    hidden = out.hidden_states[-1]  # [u, width, H]
+    return hidden[prompts.of_row.to(device)[:, None], at.to(device)]
+
+
+def _cached(
+    model: Any,
+    mb: TrainBatch,
+    prompts: Prompts,
+    responses: torch.Tensor,
+    k: torch.Tensor,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two forwards: the prompts' (their KV cache kept with its graph, then copied to their rows), and
+    each row's response but its last token on its prompt's cache. Returns hidden [n, 1 + S, H]."""
+    ids, of_row = mb.input_ids.to(device), prompts.of_row.to(device)
+    prompt_mask, lengths = prompts.mask.to(device), mb.prompt_lengths.to(device)  # type: ignore[union-attr]
     cache = DynamicCache(config=model.config)
     out = model(
         input_ids=prompts.ids.to(device), attention_mask=prompt_mask,
@@ -121,8 +203,7 @@ def prompt_shared_hidden(model: Any, mb: TrainBatch, prompts: Prompts, device: t
         output_hidden_states=True, logits_to_keep=1,
     )  # fmt: skip
     hidden = out.hidden_states[-1][:, -1][of_row][:, None]  # [n, 1, H]
-    steps = int(responses.max()) - 1
-    k = torch.arange(max(steps, 0) + 1, device=device)
+    steps = len(k) - 1
     if steps > 0:
         cache.batch_select_indices(of_row)
         col = lengths[:, None] + k[None, :steps]
@@ -133,9 +214,4 @@ def prompt_shared_hidden(model: Any, mb: TrainBatch, prompts: Prompts, device: t
             past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
         )  # fmt: skip
         hidden = torch.cat([hidden, out.hidden_states[-1]], 1)
-    # hidden[i, k] predicts response token k of row i: position prompt_lengths[i] - 1 + k of the row
-    at = (lengths[:, None] - 1 + k[None, :]).clamp(max=mask.shape[1] - 1)
-    take = mask.gather(1, at) & (k[None, :] < responses[:, None])
-    if int(take.sum()) != int(mask.sum()):
-        raise ValueError("shared prompts: the mask has positions outside the rows' responses")
-    return hidden[take]
+    return hidden

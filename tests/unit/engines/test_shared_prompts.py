@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from meshrl.dataplane.batch import Ragged
+from meshrl.engines import shared_prompts
 from meshrl.engines.packing import pack
 from meshrl.engines.settings import LoraConfig
 from meshrl.engines.shared_prompts import SAVING, grouped, plan
@@ -43,8 +44,20 @@ CASES = {  # micro-batch rows, a loss mask, the engine's other settings (bf16: b
 }
 
 
+@pytest.fixture(params=["packed", "cached"])
+def way(request, monkeypatch) -> str:
+    """Each of the two ways prompts are shared: one forward of packed groups, or the prompts' KV cache."""
+    seen: list[bool] = []
+    pays = shared_prompts._packing_pays
+    monkeypatch.setattr(
+        shared_prompts, "_packing_pays", lambda *a: seen.append(pays(*a)) or request.param == "packed"
+    )
+    yield request.param
+    assert seen  # the choice was made, so the path forced was the one taken
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_the_update_with_shared_prompts_is_that_of_the_rows_whole(tiny_model, case: str) -> None:
+def test_the_update_with_shared_prompts_is_that_of_the_rows_whole(tiny_model, case: str, way: str) -> None:
     """The same loss, metrics and gradients (to float rounding) with every micro-batch's prompts run once
     as with each row computed whole; micro-batches of 4 rows hold one group each."""
     micro_batch, loss_mask, settings = CASES[case]
@@ -60,7 +73,7 @@ def test_the_update_with_shared_prompts_is_that_of_the_rows_whole(tiny_model, ca
     assert_same_update(update_grads(shared, batch, Step()), update_grads(whole, batch, Step()), tol)
 
 
-def test_logprobs_with_shared_prompts_are_those_of_the_rows_whole(tiny_model) -> None:
+def test_logprobs_with_shared_prompts_are_those_of_the_rows_whole(tiny_model, way: str) -> None:
     """Also without a gradient (the proximal policy's forward), on the positions of the mask only."""
     batch = groups(n_groups=2, size=5, seed=3)
     engine = engine_with(tiny_model, micro_batch=len(batch))
@@ -85,3 +98,18 @@ def test_rows_without_a_shared_prompt_are_computed_whole() -> None:
     assert plan(type(batch)(**{**batch.__dict__, **packed})) is None
     order = torch.tensor([11, 0, 5, 1, 10, 4, 2, 3, 6, 7, 8, 9])
     assert grouped(batch, order).tolist() == [11, 10, 8, 9, 0, 1, 2, 3, 5, 4, 6, 7]
+
+
+def test_packing_pays_for_short_rows_and_not_for_long_groups(tiny_model) -> None:
+    """The demo's shapes (4-token prompts, answers of a few tokens, groups of 8) go packed; a group of
+    16 long responses (its packed row would attend 16 times what its rows do) goes by the cache."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config._attn_implementation = "sdpa"
+    short = shared_prompts.distinct([[5, 6, 7, 8]] * 8 + [[9, 10, 11, 12]] * 8, 0)
+    assert shared_prompts._packing_pays(config, short, torch.randint(1, 5, (16,)), 3)
+    long = shared_prompts.distinct([[5] * 100] * 16, 0)
+    assert not shared_prompts._packing_pays(config, long, torch.full((16,), 120), 119)
+    config._attn_implementation = "eager"
+    assert not shared_prompts._packing_pays(config, short, torch.randint(1, 5, (16,)), 3)
