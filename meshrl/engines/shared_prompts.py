@@ -156,14 +156,12 @@ def _packed(
     """One forward: a row per distinct prompt holding the prompt, then each of its rows' responses but
     the last token; a 4D mask lets a response attend to the prompt and to itself (causally), its
     positions continuing the prompt's. Returns hidden [n, 1 + S, H]: [i, k] predicts row i's token k."""
-    ids, of_row = mb.input_ids.tolist(), prompts.of_row.tolist()
+    ids, of_row, lengths = mb.input_ids.tolist(), prompts.of_row.tolist(), mb.prompt_lengths.tolist()  # type: ignore[union-attr]
     rows = [p[m.bool()].tolist() for p, m in zip(prompts.ids.cpu(), prompts.mask.cpu(), strict=True)]
     seg = [[0] * len(r) for r in rows]  # 0: the prompt; i + 1: row i's response
     pos = [list(range(len(r))) for r in rows]
     at = torch.zeros((len(ids), len(k)), dtype=torch.long)  # packed position of the state for token k
-    for i, (u, plen, r) in enumerate(
-        zip(of_row, mb.prompt_lengths.tolist(), responses.tolist(), strict=True)
-    ):  # type: ignore[union-attr]
+    for i, (u, plen, r) in enumerate(zip(of_row, lengths, responses.tolist(), strict=True)):
         start, tokens = len(rows[u]), ids[i][plen : plen + max(r - 1, 0)]
         rows[u] += tokens
         seg[u] += [i + 1] * len(tokens)
