@@ -152,7 +152,7 @@ def _packed(
     responses: torch.Tensor,
     k: torch.Tensor,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """One forward: a row per distinct prompt holding the prompt, then each of its rows' responses but
     the last token; a 4D mask lets a response attend to the prompt and to itself (causally), its
     positions continuing the prompt's. Returns hidden [n, 1 + S, H]: [i, k] predicts row i's token k."""
@@ -189,7 +189,7 @@ def _cached(
     responses: torch.Tensor,
     k: torch.Tensor,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Two forwards: the prompts' (their KV cache kept with its graph, then copied to their rows), and
     each row's response but its last token on its prompt's cache. Returns hidden [n, 1 + S, H]."""
     ids, of_row = mb.input_ids.to(device), prompts.of_row.to(device)
