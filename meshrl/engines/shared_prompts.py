@@ -134,9 +134,12 @@ def _packing_pays(config: Any, prompts: Prompts, responses: torch.Tensor, steps:
     tokens through the linear layers (12 h^2 multiply-adds a token); packing saves the second call
     and the responses' padding, and pays attention over the whole packed row (4 h a pair of positions:
     a group of long responses attends G times what its rows would). SDPA only (the mask is a custom
-    4D one), and a packed row of at most `PACKED_MAX` positions (its mask is width^2 booleans)."""
+    4D one, used as given: no sliding-window layers), and a packed row of at most `PACKED_MAX`
+    positions (its mask is width^2 booleans)."""
     text = config.get_text_config()  # a vision-language model's language model
     if getattr(text, "_attn_implementation", None) != "sdpa" or not hasattr(text, "hidden_size"):
+        return False
+    if "sliding_attention" in (getattr(text, "layer_types", None) or ()):  # a 4D mask overrides windows
         return False
     h, inputs = int(text.hidden_size), (responses - 1).clamp(min=0)
     group = torch.zeros(len(prompts), dtype=torch.long).index_add_(0, prompts.of_row.cpu(), inputs.cpu())

@@ -111,5 +111,8 @@ def test_packing_pays_for_short_rows_and_not_for_long_groups(tiny_model) -> None
     assert shared_prompts._packing_pays(config, short, torch.randint(1, 5, (16,)), 3)
     long = shared_prompts.distinct([[5] * 100] * 16, 0)
     assert not shared_prompts._packing_pays(config, long, torch.full((16,), 120), 119)
+    config.layer_types = ["full_attention", "sliding_attention"] * 2  # the 4D mask would drop the window
+    assert not shared_prompts._packing_pays(config, short, torch.randint(1, 5, (16,)), 3)
+    config.layer_types = ["full_attention"] * 4
     config._attn_implementation = "eager"
     assert not shared_prompts._packing_pays(config, short, torch.randint(1, 5, (16,)), 3)
