@@ -195,7 +195,7 @@ class FSDPEngine:
                 out = self.model(input_ids=ids, **self._inputs(mb), output_hidden_states=True, **few)
                 hidden = out.hidden_states[-1][:, :-1]
                 values = self._head_values(hidden) if self.head == "lm+value" else None
-                picked = hidden[mask]
+                picked = hidden if whole else hidden[mask]  # the whole path reads the logits
         if whole:
             logits = out.logits[:, :-1]
             lp = token_logprobs(logits, ids[:, 1:], temperature=temperature)

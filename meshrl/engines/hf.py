@@ -283,8 +283,7 @@ class HFEngine(InferenceEngine):
         )
         # Left padding: real tokens sit at the right; their positions start at 0 regardless. A prompt
         # that several rows have (a group's) is run once and its cache copied to them (shared_prompts.py).
-        compactable = self._indexable
-        unique = distinct(prompts, self._pad_id, dev, share=compactable and not pixels)
+        unique = distinct(prompts, self._pad_id, dev, share=self._indexable and not pixels)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=unique.ids,
@@ -320,7 +319,7 @@ class HFEngine(InferenceEngine):
             n_finished = int(finished.sum())
             if n_finished == len(rows):
                 break
-            if compactable and n_finished >= _COMPACT_FRACTION * len(rows):
+            if self._indexable and n_finished >= _COMPACT_FRACTION * len(rows):
                 keep = (~finished).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 rows, tokens, mask, next_pos = rows[keep], tokens[keep], mask[keep], next_pos[keep]
