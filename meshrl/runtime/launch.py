@@ -336,7 +336,7 @@ class Launcher:
     def _cause(self, child: Child) -> Child:
         """The failure to act on when `child` failed: its zygote, if dead (its children die with it), or
         another failed process that cannot re-join (a trainer, say), else `child` itself."""
-        if self.zygote is not None and self.zygote.process.poll() is not None:
+        if self.zygote is not None and self.zygote.died():
             return self.zygote.process
         others = (o for o in self.children if o is not child and o.poll() not in (None, 0))
         return next((o for o in others if not self._may_rejoin(o)), child)

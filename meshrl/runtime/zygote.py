@@ -36,6 +36,7 @@ import os
 import selectors
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -340,6 +341,14 @@ class Forker:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def died(self) -> bool:
+        """Whether the zygote has died. Once its socket has closed it is dying: its own exit may show a
+        moment after its children's (SIGKILLed as it dies), so this waits for it (up to 5 s)."""
+        if self.closed and self.process.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.proc.wait(timeout=5)
+        return self.process.poll() is not None
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> int:
         """Fork service `name` (waits for the zygote's imports the first time); returns its pid."""
