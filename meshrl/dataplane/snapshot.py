@@ -3,7 +3,8 @@
 `save` runs inside the controller's loop, so no request interleaves with it: each host's storage server
 copies its live segments into `<dir>/segments/<host>/`, then the controller writes `<dir>/controller.msgpack`
 last (its presence marks a complete snapshot). Claims in flight are not saved: on restore their rows are
-ready again, so a consumer that died between claim and ack loses nothing. Everything is msgpack; no pickle.
+ready again, so a consumer that died between claim and ack loses nothing; the idempotency keys of the latest
+puts are kept, so a producer that repeats a put the snapshot holds gets the same rows. Everything is msgpack; no pickle.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class ControllerState(msgspec.Struct):
     next_claim: int
     segments: list[P.SegmentRef]
     partitions: list[PartitionState]
+    put_keys: list[tuple[str, bytes]] = []
+    """The idempotency keys of the latest puts and their ids, oldest first: a producer that repeats a put
+    the snapshot holds (its acknowledgement came later) gets the rows it made, not new ones."""
 
 
 def save(ctl: Controller, path: Path) -> None:
@@ -123,7 +127,7 @@ def save(ctl: Controller, path: Path) -> None:
         reply = ctl.storage.call(host, P.Save(str(path / "segments" / host), names))
         if isinstance(reply, P.Error):
             raise RuntimeError(f"storage on {host} failed to save segments: {reply.message}")
-    state = ControllerState(FORMAT, ctl.run, ctl.next_id, ctl.next_claim, refs, parts)
+    state = ControllerState(FORMAT, ctl.run, ctl.next_id, ctl.next_claim, refs, parts, list(ctl.put_keys.items()))
     if ctl.ledger is not None:  # the ledger's length at this instant: a restore cuts it back to here
         (path / LEDGER_FILE).write_text(json.dumps({"offset": ctl.ledger.offset()}))
     tmp = path / (CONTROLLER_FILE + ".tmp")
@@ -147,6 +151,8 @@ def load_controller(ctl: Controller, path: Path) -> set[str]:
         ctl.ledger.truncate(int(json.loads((path / LEDGER_FILE).read_text())["offset"]))
     ctl.next_id = state.next_id
     ctl.next_claim = state.next_claim
+    ctl.put_keys.clear()
+    ctl.put_keys.update(state.put_keys)
     ctl.segments.restore(state.segments)
     for ps in state.partitions:
         _load_partition(ctl, ps)

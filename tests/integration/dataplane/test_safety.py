@@ -34,6 +34,7 @@ def test_snapshot_restore_round_trip(tmp_path):
             c.ack(done)  # deleted by retention: must not come back
             c.claim("rows", "trainer", ["t", "r"], 1)  # claimed but not acked: must come back
             c.claim("rows", "critic", ["t"], 4)
+            keyed = c.put("rows", {"t": [torch.arange(2)], "r": torch.tensor([6.0])}, key="traj/1")
             c.snapshot(snap)
             c.put("rows", {"t": [torch.arange(3)], "r": torch.tensor([9.0])})  # after the snapshot: gone
     finally:
@@ -42,18 +43,21 @@ def test_snapshot_restore_round_trip(tmp_path):
     second = start_plane(tmp_path, "--restore", str(snap))
     try:
         with Client(second.controller) as c:
-            b = c.claim("rows", "trainer", ["t", "r"], 10)
+            b = c.claim("rows", "trainer", ["t", "r"], 3)
             assert b.ids.tolist() == ids[1:].tolist()
             assert [t.tolist() for t in b["t"]] == [list(range(5)), [0], list(range(4))]  # type: ignore[union-attr]
             assert b["r"].tolist() == [1.0, 2.0, 3.0]  # type: ignore[union-attr]
             e = c.claim("rows", "extra", ["extra"], 10)
             assert e.ids.tolist() == ids[1:2].tolist() and e["extra"].tolist() == [8]  # type: ignore[union-attr]
             critic = c.claim("rows", "critic", ["t"], 4)
-            assert critic.ids.tolist() == ids[1:].tolist(), "claimed-but-unacked rows come back as ready"
+            assert critic.ids.tolist() == [*ids[1:].tolist(), *keyed.tolist()], "claimed-but-unacked rows come back"
+            # a producer repeating a put the snapshot holds (its ack came after) gets that row, not a new one
+            again = c.put("rows", {"t": [torch.arange(2)], "r": torch.tensor([6.0])}, key="traj/1")
+            assert again.tolist() == keyed.tolist()
             new = c.put("rows", {"t": [torch.arange(2)], "r": torch.tensor([5.0])})
-            assert new[0] > ids.max(), "row ids must not be reused after a restore"
+            assert new[0] > keyed.max(), "row ids must not be reused after a restore"
             c.ack(b)
-            assert c.status().partitions[0].rows == 1
+            assert c.status().partitions[0].rows == 2  # the keyed row and the new one, not trained yet
     finally:
         stop_plane(second)
     assert not os.listdir(second.shm_dir)
