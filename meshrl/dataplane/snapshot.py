@@ -127,7 +127,9 @@ def save(ctl: Controller, path: Path) -> None:
         reply = ctl.storage.call(host, P.Save(str(path / "segments" / host), names))
         if isinstance(reply, P.Error):
             raise RuntimeError(f"storage on {host} failed to save segments: {reply.message}")
-    state = ControllerState(FORMAT, ctl.run, ctl.next_id, ctl.next_claim, refs, parts, list(ctl.put_keys.items()))
+    state = ControllerState(
+        FORMAT, ctl.run, ctl.next_id, ctl.next_claim, refs, parts, list(ctl.put_keys.items())
+    )
     if ctl.ledger is not None:  # the ledger's length at this instant: a restore cuts it back to here
         (path / LEDGER_FILE).write_text(json.dumps({"offset": ctl.ledger.offset()}))
     tmp = path / (CONTROLLER_FILE + ".tmp")

@@ -50,7 +50,9 @@ def test_snapshot_restore_round_trip(tmp_path):
             e = c.claim("rows", "extra", ["extra"], 10)
             assert e.ids.tolist() == ids[1:2].tolist() and e["extra"].tolist() == [8]  # type: ignore[union-attr]
             critic = c.claim("rows", "critic", ["t"], 4)
-            assert critic.ids.tolist() == [*ids[1:].tolist(), *keyed.tolist()], "claimed-but-unacked rows come back"
+            assert critic.ids.tolist() == [*ids[1:].tolist(), *keyed.tolist()], (
+                "claimed-but-unacked rows come back"
+            )
             # a producer repeating a put the snapshot holds (its ack came after) gets that row, not a new one
             again = c.put("rows", {"t": [torch.arange(2)], "r": torch.tensor([6.0])}, key="traj/1")
             assert again.tolist() == keyed.tolist()
