@@ -26,6 +26,7 @@ from meshrl.engines.base import (
     SamplingParams,
     check_token_ids,
 )
+from meshrl.engines.decoding import reserve, use_grouped_attention
 from meshrl.engines.shared_prompts import distinct, indexable
 from meshrl.models.vision import Images, load_model, model_inputs
 
@@ -167,6 +168,7 @@ class HFEngine(InferenceEngine):
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"cannot load a language model from {model_path!r}: {e}") from e
         model.to(self.device)
+        use_grouped_attention(model)
         return model.eval().requires_grad_(False)
 
     def _find_eos(self) -> list[int]:
@@ -298,6 +300,8 @@ class HFEngine(InferenceEngine):
         mask, positions = unique.mask[unique.of_row], unique.positions[unique.of_row]
         if len(unique) < len(prompts):
             cache.batch_select_indices(unique.of_row)
+        if self._indexable:
+            reserve(cache, steps)  # decoding.py: each step's keys and values written in place
         batch = len(prompts)
         tokens_out = torch.full((batch, steps), -1, dtype=torch.long, device=dev)
         logprobs_out = torch.zeros((batch, steps), dtype=torch.float32, device=dev)
