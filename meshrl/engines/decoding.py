@@ -30,29 +30,33 @@ class Reserved(DynamicLayer):
     def __init__(self, layer: DynamicLayer, room: int) -> None:
         super().__init__()
         keys, values = layer.keys, layer.values
-        n = keys.shape[-2]
-        self._keys = keys.new_empty(*keys.shape[:-2], n + room, keys.shape[-1])
-        self._values = values.new_empty(*values.shape[:-2], n + room, values.shape[-1])
-        self._keys[..., :n, :] = keys
-        self._values[..., :n, :] = values
-        self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
+        assert keys is not None and values is not None, "reserve a filled cache"
+        self._n = keys.shape[-2]
+        self._keys = keys.new_empty(*keys.shape[:-2], self._n + room, keys.shape[-1])
+        self._values = values.new_empty(*values.shape[:-2], self._n + room, values.shape[-1])
+        self._keys[..., : self._n, :] = keys
+        self._values[..., : self._n, :] = values
+        self._views()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def _views(self) -> None:
+        self.keys, self.values = self._keys[..., : self._n, :], self._values[..., : self._n, :]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        n, end = self._n, self._n + key_states.shape[-2]
         if end > self._keys.shape[-2]:
             raise ValueError(f"a reserved KV cache layer of {self._keys.shape[-2]} positions given {end}")
         self._keys[..., n:end, :] = key_states
         self._values[..., n:end, :] = value_states
-        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
-        return self.keys, self.values
+        self._n = end
+        self._views()
+        return self._keys[..., :end, :], self._values[..., :end, :]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        n = self.keys.shape[-2]
         self._keys, self._values = self._keys[indices], self._values[indices]
-        self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
+        self._views()
 
 
 def reserve(cache: DynamicCache, room: int) -> None:
