@@ -1,7 +1,8 @@
 """What the HF engine's decode loop does to stop copying its KV cache at every step, on CPU.
 
-Two copies grew with the cache and took a quarter of SmolLM2-135M's generation time on two cores
-(8 prompts x 4 samples, 64 new tokens: 12.5 -> 9.0 s, the same tokens and logprobs):
+Two copies grew with the cache and took a tenth to a quarter of SmolLM2-135M's generation time on two
+cores (8 prompts x 4 samples, 64 new tokens: 12.5 -> 9.0 s in separate runs, 12.4 -> 11.2 s interleaved
+in one process on a busier hour; the same tokens and logprobs):
 
 - transformers' dynamic cache appends a step's keys and values with `torch.cat`, copying every layer's
   whole cache at every step; `Reserved` keeps them in buffers with room for the completion, written in

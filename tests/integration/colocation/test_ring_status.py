@@ -73,6 +73,8 @@ def test_status_names_the_holder_the_askers_and_the_turns(plane, tmp_path):
         assert ring["asking"] == [{"member": "trainer", "processes": ["trainer-0-0"]}], text
         assert "inference (turn 1, asked to leave)" in text and "trainer (trainer-0-0)" in text, text
 
+        # status reads the preemption from the data plane; the holder learns of it from its own watcher
+        assert inference.preempt.wait(timeout=10)
         assert inference.yield_if_preempted()  # the safe point: the token goes to the trainer
         asking.join(timeout=10)
         assert trainer.holding
