@@ -52,8 +52,9 @@ class Reserved(DynamicLayer):
         self._keys[..., n:end, :] = key_states
         self._values[..., n:end, :] = value_states
         self._n = end
-        self._views()
-        return self._keys[..., :end, :], self._values[..., :end, :]
+        keys, values = self._keys[..., :end, :], self._values[..., :end, :]
+        self.keys, self.values = keys, values
+        return keys, values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._keys, self._values = self._keys[indices], self._values[indices]
@@ -83,9 +84,9 @@ def grouped_sdpa(
     """transformers' SDPA attention with key/value heads passed grouped (`enable_gqa`) whatever the mask.
     Anything this does not cover (a position bias, a paged cache, attention weights asked for) goes to
     transformers' own."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if any(kwargs.get(k) is not None for k in ("position_bias", "cache")) or kwargs.get("output_attentions"):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
@@ -104,10 +105,10 @@ def grouped_sdpa(
 
 
 def use_grouped_attention(model: Any) -> None:
-    """Switch a CPU causal LM on transformers' SDPA to `grouped_sdpa` (registered once, under `GROUPED`).
-    On a GPU SDPA's fast kernels do not take grouped heads with a mask, so nothing changes there; nor for
-    a model with sub-models (a vision tower) or another attention implementation."""
-    from transformers import AttentionInterface
+    """Switch a CPU causal LM on transformers' SDPA to `grouped_sdpa` (registered under `GROUPED`, with
+    SDPA's mask). On a GPU SDPA's fast kernels do not take grouped heads with a mask, so nothing changes
+    there; nor for a model with sub-models (a vision tower) or another attention implementation."""
+    from transformers import AttentionInterface  # modeling_utils: 1.5 s, for the engine's load only
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     config = model.config
@@ -115,7 +116,6 @@ def use_grouped_attention(model: Any) -> None:
         return
     if config._attn_implementation != "sdpa":
         return
-    if GROUPED not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionInterface.register(GROUPED, grouped_sdpa)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED, sdpa_mask)
+    AttentionInterface.register(GROUPED, grouped_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED, sdpa_mask)
     model.set_attn_implementation(GROUPED)
