@@ -5,7 +5,9 @@ At a 150k vocabulary the logits of 32 rows x 1,024 tokens are ~20 GB in float32;
 graph (with their softmax, for the entropy) they dominate a trainer's memory. `head_logprobs` is a custom
 autograd function that saves only its inputs and one log-normaliser per position, and recomputes each
 chunk's logits in the backward pass: the memory of the output projection is bounded by `chunk x vocab`
-whatever the batch, for the cost of that projection's matmul once more. The teacher's top-k
+whatever the batch, for the cost of that projection's matmul once more. An input of one chunk or less
+(a trainer's micro-batch, usually) keeps its log-probabilities for the backward instead: the same bound,
+and no second matmul. The teacher's top-k
 (`distill.topk_logprobs`) streams the same way, over positions and over the vocabulary, without a graph.
 Both read the last hidden state (`last_hidden`) and hold only for a model whose logits are its output
 projection of that state (`head_is_linear`: no logit scale or soft-cap); others compute whole logits.
@@ -98,7 +100,10 @@ class _HeadLogprobs(torch.autograd.Function):
                 logp = x.sub_(norm[:, None])  # log p, in place: one [chunk, V] tensor alive
                 lp[s : s + chunk] = logp.gather(-1, targets[s : s + chunk, None]).squeeze(-1)
                 ent[s : s + chunk] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
+        # one chunk in all: the backward takes its log p as it is (within the bound, one [chunk, V]
+        # tensor) instead of computing the projection again
+        kept = logp if 0 < n <= chunk and any(ctx.needs_input_grad) else None
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, ent, kept)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.set_materialize_grads(False)
         return lp, ent
@@ -107,7 +112,7 @@ class _HeadLogprobs(torch.autograd.Function):
     def backward(ctx: Any, g_lp: Tensor | None, g_ent: Tensor | None) -> tuple[Tensor | None, ...]:
         """Per chunk, with logp = log softmax(x) and p = exp(logp): d logp[y] / dx = onehot(y) - p and
         dH / dx = -p * (logp + H); then through x = scale * (h @ W.T + b)."""
-        hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, ent, kept = ctx.saved_tensors
         g_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         g_w = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         g_b = (
@@ -118,7 +123,11 @@ class _HeadLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[s : s + ctx.chunk]
-                logp = _log_softmax(h, weight, bias, ctx.scale).sub_(lse[s : s + ctx.chunk, None])
+                logp = (
+                    kept
+                    if kept is not None
+                    else _log_softmax(h, weight, bias, ctx.scale).sub_(lse[s : s + ctx.chunk, None])
+                )
                 p = logp.exp()
                 if g_ent is not None:  # in place: logp becomes the gradient
                     g = logp.add_(ent[s : s + ctx.chunk, None]).mul_(p).mul_(-g_ent[s : s + ctx.chunk, None])

@@ -44,3 +44,28 @@ def test_an_unused_entropy_adds_nothing_to_the_gradient() -> None:
     want = torch.autograd.grad((c_lp * token_logprobs(logits, targets[None])[0]).sum(), [hidden, weight])
     for got, w in zip(torch.autograd.grad((c_lp * lp).sum(), [hidden, weight]), want, strict=True):
         torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6)
+
+
+def test_one_chunk_keeps_its_logits_for_the_backward_instead_of_a_second_projection() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, _, targets, c_lp, c_ent = _inputs(False)
+    projection = 2 * hidden.shape[0] * weight.shape[0] * hidden.shape[1]  # hidden @ weight.T, once
+
+    def backward_flops(chunk: int) -> int:
+        lp, ent = head_logprobs(hidden, weight, targets, chunk=chunk)
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad((c_lp * lp + c_ent * ent).sum(), [hidden, weight])
+        return counter.get_total_flops()
+
+    # both gradients (hidden and weight) cost a projection each; recomputing the logits costs a third
+    assert backward_flops(chunk=13) == 2 * projection
+    assert backward_flops(chunk=7) == 3 * projection
+
+
+def test_no_positions_give_empty_outputs_and_zero_gradients() -> None:
+    hidden, weight, _, targets, _, _ = _inputs(False)
+    lp, ent = head_logprobs(hidden[:0], weight, targets[:0], chunk=4)
+    assert lp.shape == ent.shape == (0,)
+    (g_w,) = torch.autograd.grad((lp.sum() + ent.sum()), [weight])
+    assert torch.equal(g_w, torch.zeros_like(weight))
