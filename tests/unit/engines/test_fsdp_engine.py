@@ -237,6 +237,34 @@ def test_chunked_logprobs_give_the_loss_and_gradients_of_the_whole_logits(tiny_m
     assert_same_update(chunked, whole, 1e-6)
 
 
+def test_on_policy_gradient_is_the_token_mean_of_advantage_weighted_log_prob_gradients(tiny_model):
+    """The whole objective, checked against its definition on a plain HF model: on-policy (ratio 1, no
+    clipping), the update's gradient is -(1/N) sum over the N response tokens of A_row * grad log p, the
+    gradient TRL's default GRPO loss ("dapo") gives with the same advantages."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(2)
+    n = 7
+    prompts = [torch.randint(4, 14, (int(k),), generator=g) for k in torch.randint(2, 6, (n,), generator=g)]
+    responses = [torch.randint(4, 14, (int(k),), generator=g) for k in torch.randint(1, 9, (n,), generator=g)]
+    advantages = torch.randn(n, generator=g)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tokens = sum(len(r) for r in responses)
+    behaviour = []
+    for p, r, a in zip(prompts, responses, advantages, strict=True):
+        logits = ref(torch.cat([p, r])[None]).logits[0, len(p) - 1 : -1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, r[:, None]).squeeze(-1)
+        (-(a * logp).sum() / tokens).backward()
+        behaviour.append(logp.detach())
+    b = pack(prompts, responses, behaviour, advantages, torch.ones(n))
+    metrics, grads = update_grads(engine_with(tiny_model, micro_batch=3), b, Step())
+    assert metrics["clip_fraction"] == 0.0 and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    expected = [p.grad for p in ref.parameters()]
+    assert len(grads) == len(expected)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_packed_micro_batches_give_the_loss_and_gradients_of_unpacked_ones(tiny_model):
     b = varied(12)
     micro = token_micro_batches(b, max_tokens=30)
