@@ -5,15 +5,19 @@
     python benchmarks/vs_trl.py --trl-first --json      # the same, TRL's run first (the machine warms up)
 
 Both sides start from the same model (the demo's supervised warm start, or SmolLM2-135M-Instruct) and get
-what the recipe gives meshrl: its training rows (prompt text or the chat template with its system prompt),
-its reward functions and weights (one function per reward call, so both sides see the same weighted sum),
-prompts x samples per step, temperature (no top-k / top-p), completion length, learning rate, warm-up and
-schedule, AdamW, gradient clipping, optimizer steps per step (the recipe's `mini_batches`, micro-batches
-accumulated as the recipe's `memory.micro_batch` says), the seed. TRL's other defaults stand (its "dapo"
-loss: a token mean over each optimizer step's tokens, as meshrl's `token-mean`; group-std reward scaling,
-as meshrl's GRPO; clip 0.2; no KL), except two it sets for GPUs that would cost it time or precision on a
-CPU: `gradient_checkpointing` (off, as meshrl) and `bf16` (off: both train in float32). TRL needs the
-`compare` extra (`pip install -e '.[compare]'`); the benchmark installs it when missing.
+what the recipe gives meshrl: its training rows (prompt text or the chat template with its system prompt)
+in the order meshrl's feed draws them (TRL's `shuffle_dataset` off; checked at the end against the samples
+meshrl logged, so step k of each side trains on the same prompts), its reward functions and weights (one
+function per reward call, so both sides see the same weighted sum), prompts x samples per step,
+temperature (no top-k / top-p), completion length, learning rate and schedule (meshrl's, warm-up
+included: transformers' own spends the first step at lr 0), AdamW, gradient clipping, optimizer steps
+per step (the recipe's `mini_batches`, micro-batches accumulated as the recipe's `memory.micro_batch`
+says), the seed. TRL's other defaults stand (its "dapo" loss: a token mean over each optimizer step's
+tokens, as meshrl's `token-mean`; group-std reward scaling, as meshrl's GRPO but with the sample std,
+which scales every advantage of a group of 4 by 0.87; clip 0.2; no KL), except two it sets for GPUs that
+would cost it time or precision on a CPU: `gradient_checkpointing` (off, as meshrl) and `bf16` (off: both
+train in float32). TRL needs the `compare` extra (`pip install -e '.[compare]'`); the benchmark installs
+it when missing.
 
 meshrl runs as `meshrl run <recipe>` (its services as processes, no evaluation during the run); TRL in
 one process (this script, `--trl-side`). Each side's model after training is saved and scored by the same
@@ -133,8 +137,11 @@ class Rewards:
 
         self.functions = [(f.fn, f.weight, f.batched) for f in load(specs)]  # imported as rollout does
         self.calls: list[tuple[float, list[float]]] = []
+        self.prompts: list[list[str]] = []  # each call's prompts, their text (a chat's last message)
 
     def __call__(self, prompts: list[Any], completions: list[Any], **columns: Any) -> list[float]:
+        texts = [p[-1]["content"] if isinstance(p, list) else str(p) for p in prompts]
+        self.prompts.append(list(dict.fromkeys(texts)))
         total = [0.0] * len(completions)
         for fn, weight, batched in self.functions:
             if batched:
@@ -156,15 +163,19 @@ def trl_side(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from meshrl.engines.optim import lr_factor
     from meshrl.roles.rollout.data import load_rows
+    from meshrl.roles.rollout.feed import feed_seed, passes
 
     rec, rollout, inference, trainer = configs(
         spec["recipe"], Path(spec["model"]), spec["steps"], spec["seed"]
     )
     torch.set_num_threads(max(trainer.threads, inference.threads) or torch.get_num_threads())
     train_rows, _ = load_rows(rollout)
+    # the prompts meshrl's feed draws, in its order; TRL takes them as they come (shuffle_dataset=False)
+    drawn = itertools.chain.from_iterable(passes(len(train_rows), feed_seed(rec.seed, 0)))
     rows = []
-    for r in train_rows:
+    for r in (train_rows[i] for i in itertools.islice(drawn, spec["steps"] * rec.prompts_per_step)):
         prompt = r[rollout.prompt_field]
         if rollout.system_prompt is not None or rollout.chat_template:
             prompt = [{"role": "user", "content": str(prompt)}]
@@ -179,21 +190,30 @@ def trl_side(spec: dict[str, Any]) -> dict[str, Any]:
     if mini % accumulate:
         raise SystemExit(f"TRL: a mini-batch of {mini} does not split into {accumulate} equal micro-batches")
     opt = trainer.optim
-    schedule = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[opt.schedule]
+
+    class Trainer(GRPOTrainer):
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            """The recipe's schedule as meshrl's trainer computes it (its warm-up starts at lr /
+            warmup_steps, where transformers' starts at 0: one step without an update)."""
+            if self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                    optimizer or self.optimizer, lambda step: lr_factor(step, opt, num_training_steps)
+                )
+            return self.lr_scheduler
+
     args = GRPOConfig(
         output_dir=spec["out"], use_cpu=True, seed=rec.seed, bf16=False, gradient_checkpointing=False,
         per_device_train_batch_size=mini // accumulate, gradient_accumulation_steps=accumulate,
         steps_per_generation=trainer.mini_batches * accumulate, num_generations=rec.group_size,
         max_steps=spec["steps"] * trainer.mini_batches, max_completion_length=inference.max_new_tokens,
-        temperature=rec.temperature, learning_rate=opt.lr, warmup_steps=opt.warmup_steps,
-        lr_scheduler_type=schedule, weight_decay=opt.weight_decay, adam_beta1=opt.betas[0],
+        temperature=rec.temperature, learning_rate=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.betas[0],
         adam_beta2=opt.betas[1], max_grad_norm=opt.grad_clip, report_to="none", logging_steps=10**6,
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False,
     )  # fmt: skip
     reward = Rewards(dict(rollout.rewards))
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    trainer_ = GRPOTrainer(
+    trainer_ = Trainer(
         model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )  # fmt: skip
@@ -214,7 +234,8 @@ def trl_side(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "samples": per_step * len(reward.calls), "train_s": float(out.metrics["train_runtime"]),
         "step_s": [b - a for a, b in itertools.pairwise(times)],
-        "rewards": [statistics.fmean(r) for _, r in reward.calls],
+        "rewards": [statistics.fmean(r) for _, r in reward.calls], "prompts": reward.prompts,
+        "chat": isinstance(rows[0]["prompt"], list),
     }  # fmt: skip
 
 
@@ -231,6 +252,20 @@ def run_trl(recipe: str, model: Path, steps: int, seed: int, out: Path) -> dict[
     if len(result["rewards"]) != steps:
         raise SystemExit(f"TRL: {len(result['rewards'])} reward calls for {steps} steps")
     return {**result, "wall_s": time.perf_counter() - started, "final": out / "final"}
+
+
+def check_same_prompts(run_dir: Path, trl_prompts: list[list[str]], chat: bool) -> None:
+    """Both sides trained on the same prompts at each step: every sample meshrl logged (samples.jsonl, a
+    few a step) has one of the prompts TRL's reward function saw at that step (the text, or in a chat
+    rendered by the template, its message)."""
+
+    def same(text: str, prompt: str) -> bool:
+        return prompt == text or (chat and text in prompt)
+
+    logged = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines() if x.strip()]
+    wrong = [r["step"] for r in logged if not any(same(t, r["prompt"]) for t in trl_prompts[r["step"]])]
+    if wrong or {r["step"] for r in logged} != set(range(len(trl_prompts))):
+        raise SystemExit(f"the sides' prompts differ (steps {sorted(set(wrong))} of {len(trl_prompts)})")
 
 
 # --- scoring -----------------------------------------------------------------------------------------
@@ -280,6 +315,7 @@ def main(argv: list[str]) -> int:
         r = results[side]
         log(f"{side}: {r['samples'] / r['train_s']:.1f} samples/s, reward {mean(r['rewards'][:10])} -> "
             f"{mean(r['rewards'][-10:])}")  # fmt: skip
+    check_same_prompts(root / "meshrl", results["trl"]["prompts"], results["trl"]["chat"])
     log(f"scoring the warm start and both models: greedy + {args.eval_samples} sampled answers per row")
     before = evaluate(recipe, model, args.eval_samples, root / "eval_before.json")
     scores = {

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshrl.dataplane import AsyncClient
@@ -34,6 +34,21 @@ from meshrl.state.checkpoint import Pause
 Group = tuple[int, int, int, int]  # (group id, prompt index, epoch, min_version)
 
 log = logging.getLogger("meshrl.rollout")
+
+
+def feed_seed(run_seed: int, replica: int) -> int:
+    """The seed of rollout replica `replica`'s prompt order."""
+    return run_seed * 7919 + replica
+
+
+def passes(rows: int, seed: int) -> Iterator[list[int]]:
+    """The order a feed draws `rows` training rows in, pass after pass: one shuffle per pass, all from
+    one generator seeded with `seed` (a benchmark hands another trainer the same prompts this way)."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(rows))
+        rng.shuffle(order)
+        yield order
 
 
 class Feed:
@@ -56,7 +71,7 @@ class Feed:
         self.no_images = no_images
         self.rows, self.encode, self.name = rows, encode, name
         self.total = settings.total_steps * settings.batch_size
-        self.rng = random.Random(seed)
+        self.passes = passes(len(rows), seed)
         self.order: list[int] = []
         for _ in range(state.epoch + 1):  # this epoch's order: the same shuffles from the same seed
             self.reshuffle()
@@ -64,8 +79,7 @@ class Feed:
         self.partition = partition
 
     def reshuffle(self) -> None:
-        self.order = list(range(len(self.rows)))
-        self.rng.shuffle(self.order)
+        self.order = next(self.passes)
 
     # ---------------------------------------------------------------------------------------------------
     # pacing

@@ -30,7 +30,7 @@ from meshrl.roles.rollout import reward_functions
 from meshrl.roles.rollout.config import RolloutConfig
 from meshrl.roles.rollout.data import Prompt, check_lengths, encode, load_rows
 from meshrl.roles.rollout.evaluation import Evaluation
-from meshrl.roles.rollout.feed import Feed, Group
+from meshrl.roles.rollout.feed import Feed, Group, feed_seed
 from meshrl.roles.rollout.scoring import Rewards, Scoring
 from meshrl.roles.rollout.state import RolloutState
 from meshrl.runtime.service import WATCH_S, Service
@@ -79,11 +79,10 @@ class RolloutService(Service):
         self.rewards = rewards = Rewards(
             tokenizer, reward_functions.load(cfg.functions), cfg.prompt_field, workers
         )
-        seed = ctx.run.seed * 7919 + ctx.replica.index
         wiring = ctx.wiring
         self.feed = Feed(
-            cfg, ctx.run, self.state, train_rows, encoded, seed=seed, name=ctx.name,
-            partition=wiring.partition("feed"),
+            cfg, ctx.run, self.state, train_rows, encoded, seed=feed_seed(ctx.run.seed, ctx.replica.index),
+            name=ctx.name, partition=wiring.partition("feed"),
             no_images=no_images if wiring.partition("feed") == SAMPLES else None,  # agents render their own
         )  # fmt: skip
         self.scoring = Scoring(
