@@ -195,32 +195,35 @@ def test_a_second_launcher_joins_with_inference_and_leaves(tmp_path: Path, tiny_
     to the run's end. A third is killed (SIGKILL): its replica leaves the run, and its host's storage
     server serves the rows it wrote until they are read. Every sample is generated and trained once;
     each "host" has shared memory of its own."""
-    steps, run_dir = 30, tmp_path / "run"
+    steps, run_dir = 50, tmp_path / "run"  # the joins and leaves below take ~30 steps on a busy machine
     proc = start(
         tmp_path, f"*.model={tiny_model}", *FAST, f"total_steps={steps}", f"run_dir={run_dir}", recipe=SIM
     )
     joiners: list[subprocess.Popen[str]] = []
     try:
         wait_steps(proc, run_dir, 2)
-        bad = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", "127.0.0.1:1"], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)  # fmt: skip
-        assert bad.returncode == 1 and "the run's secret is required" in bad.stderr, bad.stderr
         (tmp_path / "wrong").write_text("not-the-secret")
         address = json.loads((run_dir / "join.json").read_text())["address"]
-        wrong = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", address, "--secret-file",
-                                str(tmp_path / "wrong")], capture_output=True, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)  # fmt: skip
-        assert (wrong.returncode, wrong.stderr.strip()) == (
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        asked = [  # at once: the run goes on meanwhile, and the joins below need steps left
+            (["127.0.0.1:1"], env),
+            ([address, "--secret-file", str(tmp_path / "wrong")], env),
+            ([str(run_dir), "trainer=1"], {**env, "MESHRL_HOST_ID": "h3"}),
+        ]
+        cmd = [sys.executable, "-m", "meshrl.cli", "join"]
+        procs = [subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+                 for args, e in asked]  # fmt: skip
+        bad, wrong, refused = [(*p.communicate(timeout=60), p.returncode) for p in procs]
+        assert bad[2] == 1 and "the run's secret is required" in bad[1], bad
+        assert (wrong[2], wrong[1].strip()) == (
             1,
             f"meshrl join: {address} turned the secret down (not this run's)",
-        ), wrong.stderr
-        refused = subprocess.run([sys.executable, "-m", "meshrl.cli", "join", str(run_dir), "trainer=1"],
-                                 capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "PYTHONPATH": str(REPO), "MESHRL_HOST_ID": "h3"})  # fmt: skip
-        assert refused.returncode == 1 and refused.stderr.strip() == (
+        ), wrong
+        assert (refused[2], refused[1].strip()) == (
+            1,
             "meshrl join: refused: trainer publishes the weights and takes the checkpoints: one replica, "
-            "fixed at start"
-        ), refused.stderr
+            "fixed at start",
+        ), refused
         joiners.append(join(run_dir, "inference=2"))
         wait_for(lambda: len(changes(run_dir)) >= 1 and len(changes(run_dir)[0]["join_s"]) == 2, proc)
         wait_steps(proc, run_dir, steps_done(run_dir) + 2)
